@@ -1,0 +1,171 @@
+"""The sandbox backend contract: value types and the :class:`SandboxBackend` protocol."""
+
+from __future__ import annotations
+
+import enum
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from sandboxes.errors import PathEscapeError
+
+#: Default cap on the bytes of stdout (and, separately, stderr) kept per command.
+DEFAULT_MAX_OUTPUT_BYTES = 64 * 1024
+#: Label keys every backend stamps on its sandboxes.
+LABEL_NODE = "forkyard.node"
+LABEL_OWNER = "forkyard.owner"
+
+
+class SandboxState(str, enum.Enum):
+    """Lifecycle of one sandbox: starting -> ready -> busy -> stopping -> gone (+ failed)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    BUSY = "busy"
+    STOPPING = "stopping"
+    GONE = "gone"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Resources:
+    """CPU, memory and process-count limits of one sandbox."""
+
+    cpus: float = 1.0
+    memory_mb: int = 1024
+    pids: int = 256
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """Runtime defaults an image carries (what Dockerfile ENV/WORKDIR/USER set)."""
+
+    env: Mapping[str, str] = field(default_factory=dict)
+    workdir: str = "/"
+    user: str = "root"
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What to create: an image known to the backend plus limits and overrides."""
+
+    image: str
+    resources: Resources = field(default_factory=Resources)
+    network: bool = False
+    """Give the sandbox the host's network; off means a private namespace with no route out."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Added to (and overriding) the image's ENV for the persistent shell."""
+    workdir: str | None = None
+    """Working directory of the shell; None keeps the image's WORKDIR."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """Outcome of one command in a sandbox's persistent shell."""
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    timed_out: bool = False
+    truncated: bool = False
+    duration_s: float = 0.0
+    cwd: str | None = None
+
+
+@dataclass(frozen=True)
+class SandboxInfo:
+    """What a backend knows of one sandbox."""
+
+    id: str
+    backend: str
+    node: str
+    state: SandboxState
+    image: str
+    created_at: float
+    """Seconds since the epoch."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class SandboxBackend(Protocol):
+    """A handful of async methods every backend implements.
+
+    Snapshot/restore arrive with branching; ``commit`` already freezes a sandbox's
+    filesystem into an image (the Dockerfile builder uses it).
+    """
+
+    name: str
+    node: str
+
+    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        """Start a sandbox and return once its shell answers."""
+
+    async def exec(
+        self,
+        sandbox_id: str,
+        command: str,
+        *,
+        timeout_s: float = 30.0,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    ) -> ExecResult:
+        """Run ``command`` in the sandbox's persistent shell (cwd and exports persist)."""
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        """Return the bytes of ``path`` inside the sandbox."""
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Write ``data`` to ``path`` inside the sandbox, creating parent directories."""
+
+    async def status(self, sandbox_id: str) -> SandboxInfo:
+        """Return the sandbox's current info; raise SandboxNotFoundError if unknown."""
+
+    async def list(self) -> list[SandboxInfo]:
+        """Return every sandbox this backend created on this node, live or orphaned."""
+
+    async def destroy(self, sandbox_id: str) -> None:
+        """Stop and remove the sandbox; a second call (or an unknown id) is a no-op."""
+
+    async def commit(self, sandbox_id: str, image: str, config: ImageConfig) -> None:
+        """Freeze the sandbox's filesystem into a new image named ``image``."""
+
+    async def import_rootfs(self, rootfs: str, image: str, config: ImageConfig) -> None:
+        """Make a root filesystem directory available as image ``image``."""
+
+    async def has_image(self, image: str) -> bool:
+        """Tell whether ``image`` is known to this backend."""
+
+    async def remove_image(self, image: str) -> None:
+        """Forget ``image`` (idempotent)."""
+
+    async def aclose(self) -> None:
+        """Release the backend's own resources (not the sandboxes)."""
+
+
+def normalize_sandbox_path(path: str, workdir: str = "/") -> str:
+    """Return ``path`` as an absolute, normalized path inside the sandbox.
+
+    Relative paths are taken from ``workdir``. A path whose ``..`` components climb
+    above the root is refused rather than clamped, so callers learn of the mistake.
+
+    Raises:
+        PathEscapeError: the path is empty, has a NUL byte or escapes the root.
+    """
+    if not path or "\x00" in path:
+        raise PathEscapeError(f"invalid sandbox path {path!r}")
+    joined = path if path.startswith("/") else posixpath.join(workdir or "/", path)
+    depth = 0
+    parts: list[str] = []
+    for part in joined.split("/"):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if depth == 0:
+                raise PathEscapeError(f"path {path!r} escapes the sandbox root")
+            parts.pop()
+            depth -= 1
+            continue
+        parts.append(part)
+        depth += 1
+    return "/" + "/".join(parts)

@@ -1,0 +1,66 @@
+"""Host-side process-tree helpers: find and kill what a timed-out command started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def ticks_now() -> int:
+    """Return the time since boot in clock ticks, the unit of /proc/PID/stat starttime."""
+    with open("/proc/uptime", "rb") as fh:
+        return int(float(fh.read().split()[0]) * CLK_TCK)
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """Return (ppid, starttime) of ``pid``, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    # fields[0] is the state (field 3); ppid is field 4, starttime field 22.
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(root_pid: int) -> list[tuple[int, int]]:
+    """Return (pid, starttime) for every live descendant of ``root_pid``."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        st = _stat(int(name))
+        if st is not None:
+            children.setdefault(st[0], []).append((int(name), st[1]))
+    found: list[tuple[int, int]] = []
+    stack = [root_pid]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            found.append(child)
+            stack.append(child[0])
+    return found
+
+
+def kill_descendants_since(root_pid: int, since_ticks: int, *, rounds: int = 50) -> int:
+    """SIGKILL every descendant of ``root_pid`` started at or after ``since_ticks``.
+
+    Repeats (bounded) because a fork bomb keeps making new processes while we kill.
+    Returns how many processes were signalled.
+    """
+    killed = 0
+    for _ in range(rounds):
+        victims = [pid for pid, start in descendants(root_pid) if start >= since_ticks]
+        if not victims:
+            break
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+        time.sleep(0.005)
+    return killed

@@ -1,0 +1,208 @@
+"""One long-lived bash per sandbox, driven with sentinel-framed commands.
+
+Both backends own a byte channel to a ``bash --noprofile --norc`` (a pipe pair for
+``local``, the attach socket for ``docker``) and feed what it prints into a
+:class:`ShellChannel`. No process is spawned per command: a command costs one write
+and the read of its output, which is what keeps ``exec`` under a millisecond.
+
+Each command is sent as ``eval $'<quoted>' </dev/null`` followed by a ``printf`` of a
+per-sandbox random marker with the exit code and ``$PWD``; ``eval`` runs in the shell
+itself so ``cd`` and ``export`` persist, a syntax error in the command is just a
+non-zero exit, and the command cannot swallow the lines after it from stdin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+
+from sandboxes.base import DEFAULT_MAX_OUTPUT_BYTES, ExecResult
+
+STDOUT = 1
+STDERR = 2
+
+#: Exit code reported when the shell itself died during a command.
+SHELL_DIED_EXIT_CODE = -1
+
+
+def ansi_c_quote(text: str) -> str:
+    """Quote ``text`` as a bash ``$'...'`` word that reproduces it byte for byte."""
+    out = ["$'"]
+    for ch in text:
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch == "'":
+            out.append("\\'")
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    out.append("'")
+    return "".join(out)
+
+
+class _Capture:
+    """Collect one stream of one command, keeping a head and a tail under a byte cap."""
+
+    def __init__(self, marker: bytes, trailer_fields: int) -> None:
+        self.marker = b"\n" + marker
+        self.trailer_fields = trailer_fields
+        self.pending = bytearray()
+        self.reset(DEFAULT_MAX_OUTPUT_BYTES)
+
+    def reset(self, cap: int) -> None:
+        self.half = max(cap // 2, 1)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.dropped = 0
+        self.done = False
+        self.trailer: list[bytes] = []
+
+    def _keep(self, data: bytes | bytearray) -> None:
+        room = self.half - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if not data:
+            return
+        self.tail += data
+        extra = len(self.tail) - self.half
+        if extra > 0:
+            del self.tail[:extra]
+            self.dropped += extra
+
+    def feed(self, data: bytes) -> bool:
+        """Take ``data``; return True once this command's marker line has arrived."""
+        if self.done:
+            # Output of a background job after the marker belongs to the next command.
+            self.pending += data
+            return True
+        self.pending += data
+        idx = self.pending.find(self.marker)
+        if idx < 0:
+            safe = len(self.pending) - len(self.marker)
+            if safe > 0:
+                self._keep(self.pending[:safe])
+                del self.pending[:safe]
+            return False
+        end = self.pending.find(b"\n", idx + len(self.marker))
+        if end < 0:
+            return False  # the marker line is not complete yet
+        self._keep(self.pending[:idx])
+        line = bytes(self.pending[idx + len(self.marker) : end])
+        self.trailer = line.split(b" ", self.trailer_fields)[1:] if self.trailer_fields else []
+        del self.pending[: end + 1]
+        self.done = True
+        return True
+
+    def text(self) -> tuple[str, bool]:
+        """Return the captured output and whether bytes were dropped."""
+        body = bytes(self.head)
+        if self.dropped:
+            note = f"\n[... forkyard: {self.dropped} bytes of output truncated ...]\n".encode()
+            body += note
+        body += bytes(self.tail)
+        return body.decode("utf-8", errors="replace"), bool(self.dropped)
+
+
+class ShellChannel:
+    """Run commands one at a time in a persistent bash reached through ``write``."""
+
+    def __init__(self, write: Callable[[bytes], Awaitable[None]]) -> None:
+        self._write = write
+        self._marker = f"__FORKYARD_{secrets.token_hex(8)}__".encode()
+        self._out = _Capture(self._marker, trailer_fields=2)
+        self._err = _Capture(self._marker, trailer_fields=0)
+        self._out.done = self._err.done = True
+        self._lock = asyncio.Lock()
+        self._finished = asyncio.Event()
+        self.closed = False
+        self.broken = False
+        """True once the shell died or stopped answering; the backend must replace it."""
+        self.cwd: str | None = None
+        self.command_started_at: float = 0.0
+
+    def feed(self, stream: int, data: bytes) -> None:
+        """Hand bytes the shell printed on ``stream`` (STDOUT or STDERR) to the channel."""
+        cap = self._out if stream == STDOUT else self._err
+        cap.feed(data)
+        if self._out.done and self._err.done:
+            self._finished.set()
+
+    def feed_eof(self) -> None:
+        """Tell the channel the shell is gone."""
+        self.closed = True
+        self.broken = True
+        self._finished.set()
+
+    async def run(
+        self,
+        command: str,
+        *,
+        timeout_s: float,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+        on_timeout: Callable[[], Awaitable[None]] | None = None,
+        grace_s: float = 3.0,
+    ) -> ExecResult:
+        """Run ``command``; on timeout call ``on_timeout`` to kill it and wait ``grace_s``."""
+        async with self._lock:
+            if self.closed:
+                return ExecResult("", "shell is gone\n", SHELL_DIED_EXIT_CODE)
+            self._out.reset(max_output_bytes)
+            self._err.reset(max_output_bytes)
+            self._finished.clear()
+            m = self._marker.decode()
+            script = (
+                f"eval {ansi_c_quote(command)} </dev/null\n"
+                f"__fy_rc=$?; printf '\\n{m} %d %s\\n' \"$__fy_rc\" \"$PWD\"; printf '\\n{m}\\n' >&2\n"
+            )
+            start = time.perf_counter()
+            self.command_started_at = time.monotonic()
+            # Leftovers from background jobs that printed between commands come first.
+            for cap, stream in ((self._out, STDOUT), (self._err, STDERR)):
+                if cap.pending:
+                    data = bytes(cap.pending)
+                    cap.pending.clear()
+                    self.feed(stream, data)
+            try:
+                await self._write(script.encode())
+            except (ConnectionError, OSError):
+                self.feed_eof()
+            timed_out = False
+            try:
+                await asyncio.wait_for(self._finished.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                timed_out = True
+                if on_timeout is not None:
+                    await on_timeout()
+                try:
+                    await asyncio.wait_for(self._finished.wait(), grace_s)
+                except asyncio.TimeoutError:
+                    # A builtin loop (`while :; do :; done`) cannot be killed apart from
+                    # the shell itself: the backend replaces the shell.
+                    self.broken = True
+            stdout, t1 = self._out.text()
+            stderr, t2 = self._err.text()
+            if self._out.done and self._out.trailer:
+                exit_code = int(self._out.trailer[0])
+                self.cwd = self._out.trailer[1].decode("utf-8", "replace") if len(self._out.trailer) > 1 else self.cwd
+            else:
+                exit_code = SHELL_DIED_EXIT_CODE if not timed_out else 137
+            if timed_out:
+                note = f"\n[forkyard: command timed out after {timeout_s:g}s and was killed]\n"
+                stderr += note
+            return ExecResult(
+                stdout=stdout,
+                stderr=stderr,
+                exit_code=exit_code,
+                timed_out=timed_out,
+                truncated=t1 or t2,
+                duration_s=time.perf_counter() - start,
+                cwd=self.cwd,
+            )

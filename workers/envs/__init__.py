@@ -1,0 +1,1 @@
+"""Environment families (``terminal`` today; ``swe`` and ``web`` follow)."""
