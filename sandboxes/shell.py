@@ -137,6 +137,11 @@ class ShellChannel:
 
     def feed_eof(self) -> None:
         """Tell the channel the shell is gone."""
+        for cap in (self._out, self._err):
+            if not cap.done and cap.pending:
+                # Bytes held back in case they began a marker are plain output after all.
+                cap._keep(cap.pending)
+                cap.pending.clear()
         self.closed = True
         self.broken = True
         self._finished.set()

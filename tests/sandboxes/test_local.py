@@ -1,0 +1,354 @@
+"""What only the ``local`` backend has: host checks, cgroup layouts, layers, orphans, confinement."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+import signal
+import socket
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from sandboxes import fs, local
+from sandboxes.backends import create_backend
+from sandboxes.base import ImageConfig, Resources, SandboxSpec, SandboxState
+from sandboxes.cgroups import SandboxCgroup, cgroup_version
+from sandboxes.errors import BackendUnavailableError, SandboxCrashedError, SandboxError
+from sandboxes.local import LocalBackend
+from tests.sandboxes.conftest import BASE_CONFIG, BASE_REF, local_leftovers
+
+pytestmark = pytest.mark.local
+
+SPEC = SandboxSpec(image=BASE_REF)
+
+
+@pytest.fixture
+async def lb(backend_root, base_rootfs, node_name):
+    """A LocalBackend with the base image; destroys its sandboxes and checks nothing is left."""
+    backend = LocalBackend(backend_root, f"{node_name}-{uuid.uuid4().hex[:6]}")
+    await backend.import_rootfs(str(base_rootfs), BASE_REF, BASE_CONFIG)
+    try:
+        yield backend
+    finally:
+        ids = [i.id for i in await backend.list()]
+        for sid in ids:
+            await backend.destroy(sid)
+        await backend.aclose()
+        assert local_leftovers(backend_root, ids) == []
+
+
+# ----------------------------------------------------------------- host checks
+
+
+@pytest.mark.parametrize(
+    ("check", "words"),
+    [("has_overlayfs", "overlayfs"), ("is_root", "root"), ("find_unshare", "unshare")],
+)
+def test_unavailable_host_is_one_clear_sentence(monkeypatch, backend_root, check, words):
+    monkeypatch.setattr(local, check, lambda: False if check != "find_unshare" else None)
+    with pytest.raises(BackendUnavailableError) as info:
+        LocalBackend(backend_root, "n")
+    message = str(info.value)
+    assert words in message
+    assert message.endswith(".") and message.count(". ") == 0 and "\n" not in message
+    with pytest.raises(BackendUnavailableError):
+        create_backend("local", node="n", root_dir=backend_root)
+
+
+def test_missing_pids_controller_is_refused(backend_root, tmp_path):
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "cgroup.procs").write_text("")
+    with pytest.raises(BackendUnavailableError, match="pids cgroup controller"):
+        LocalBackend(backend_root, "n", cgroup_root=tmp_path)
+
+
+def test_create_backend_kinds(backend_root):
+    backend = create_backend("local", node="n", root_dir=backend_root)
+    assert isinstance(backend, LocalBackend) and backend.name == "local" and backend.node == "n"
+    with pytest.raises(ValueError, match="unknown sandbox backend"):
+        create_backend("qemu", node="n", root_dir=backend_root)
+
+
+# -------------------------------------------------------------------- cgroups
+
+
+def test_cgroup_v1_layout_and_limits(tmp_path):
+    for ctl in ("memory", "pids", "cpu"):
+        (tmp_path / ctl).mkdir()
+        (tmp_path / ctl / "cgroup.procs").write_text("")
+    (tmp_path / "unified").mkdir()  # a hybrid host's empty v2 mount changes nothing
+    assert cgroup_version(tmp_path) == 1
+    cg = SandboxCgroup("abc", root=tmp_path)
+    assert cg.version == 1
+    assert cg.paths == [tmp_path / c / "forkyard" / "abc" for c in ("memory", "pids", "cpu")]
+    cg.create(Resources(cpus=0.5, memory_mb=128, pids=64))
+    assert (tmp_path / "memory/forkyard/abc/memory.limit_in_bytes").read_text() == str(128 << 20)
+    assert (tmp_path / "pids/forkyard/abc/pids.max").read_text() == "64"
+    assert (tmp_path / "cpu/forkyard/abc/cpu.cfs_quota_us").read_text() == "50000"
+    assert (tmp_path / "cpu/forkyard/abc/cpu.cfs_period_us").read_text() == "100000"
+    assert cg.procs_files[0] == tmp_path / "memory/forkyard/abc/cgroup.procs"
+
+
+def test_cgroup_v2_layout_and_limits(tmp_path):
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    (tmp_path / "memory").mkdir()  # a stray dir must not make it look like v1
+    assert cgroup_version(tmp_path) == 2
+    cg = SandboxCgroup("abc", root=tmp_path)
+    assert cg.version == 2 and cg.paths == [tmp_path / "forkyard" / "abc"]
+    cg.create(Resources(cpus=2, memory_mb=256, pids=100))
+    group = tmp_path / "forkyard" / "abc"
+    assert (group / "memory.max").read_text() == str(256 << 20)
+    assert (group / "pids.max").read_text() == "100"
+    assert (group / "cpu.max").read_text() == "200000 100000"
+    for parent in (tmp_path, tmp_path / "forkyard"):
+        assert (parent / "cgroup.subtree_control").read_text().split() == ["+memory", "+pids", "+cpu"]
+
+
+def test_no_cgroups_at_all(tmp_path):
+    assert cgroup_version(tmp_path) == 0
+    with pytest.raises(SandboxError):
+        SandboxCgroup("abc", root=tmp_path)
+
+
+def test_this_host_cgroup_version_matches_its_mounts():
+    expected = 2 if Path("/sys/fs/cgroup/cgroup.controllers").exists() else 1
+    assert cgroup_version() == expected
+
+
+# -------------------------------------------------------- confinement of files
+
+
+@pytest.fixture(params=["openat2", "walk"])
+def fs_mode(request):
+    fs._force_walk(request.param == "walk")
+    try:
+        yield request.param
+    finally:
+        fs._force_walk(False)
+
+
+def test_fs_resolves_everything_inside_the_root(fs_mode, tmp_path):
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "hostname").write_text("inner\n")
+    (root / "abs").symlink_to("/etc/hostname")
+    (root / "climb").symlink_to("../../../../../../etc/hostname")
+    (root / "etcdir").symlink_to("/etc")
+    (root / "loop").symlink_to("loop")
+    (root / "dangling-dir").symlink_to("/nowhere")
+    os.mkfifo(root / "fifo")
+
+    assert fs.read_in_root(root, "/abs") == b"inner\n"
+    assert fs.read_in_root(root, "climb") == b"inner\n"
+    assert fs.read_in_root(root, "/etcdir/hostname") == b"inner\n"
+    assert fs.read_in_root(root, "/etcdir/../etc/../../etc/hostname") == b"inner\n"
+    with pytest.raises(OSError) as info:
+        fs.read_in_root(root, "/loop")
+    assert info.value.errno == errno.ELOOP
+    with pytest.raises(OSError):  # refused at once instead of blocking on a FIFO
+        fs.read_in_root(root, "/fifo")
+    with pytest.raises(IsADirectoryError):
+        fs.read_in_root(root, "/etc")
+    with pytest.raises(FileNotFoundError):
+        fs.read_in_root(root, "/etc/missing")
+
+    token = uuid.uuid4().hex
+    fs.write_in_root(root, f"/etcdir/new-{token}/deep/file", b"data", 0o600)
+    assert (root / "etc" / f"new-{token}" / "deep" / "file").read_bytes() == b"data"
+    assert (root / "etc" / f"new-{token}" / "deep" / "file").stat().st_mode & 0o777 == 0o600
+    assert not Path(f"/etc/new-{token}").exists()
+    fs.write_in_root(root, "/abs", b"through the link\n")  # overwrites the target inside
+    assert (root / "etc" / "hostname").read_text() == "through the link\n"
+    with pytest.raises(OSError):
+        fs.write_in_root(root, "/dangling-dir/x", b"x")
+    assert not Path("/nowhere").exists()
+
+
+# ------------------------------------------------------------------ sandboxes
+
+
+async def test_namespaces_and_dropped_capabilities(lb):
+    info = await lb.create(SPEC)
+    r = await lb.exec(info.id, "echo $$; hostname; ls /proc | grep -c '^[0-9]'")
+    pid, hostname, nprocs = r.stdout.split()
+    assert pid == "1" and hostname == info.id and int(nprocs) < 5
+    # mknod and chroot are gone: /dev cannot reach new host devices and --root cannot be undone.
+    r = await lb.exec(info.id, "mknod /tmp/disk b 8 0")
+    assert r.exit_code != 0 and "not permitted" in r.stderr
+    r = await lb.exec(info.id, "chroot / /bin/true")
+    assert r.exit_code != 0 and "not permitted" in r.stderr
+    r = await lb.exec(info.id, "mount -t tmpfs none /mnt")
+    assert r.exit_code != 0
+    r = await lb.exec(info.id, "echo x > /dev/null && head -c 4 /dev/urandom | wc -c")
+    assert r.stdout == "4\n"
+
+
+async def test_image_user_runs_the_shell(lb, base_rootfs):
+    await lb.import_rootfs(str(base_rootfs), "forkyard/base:nobody", ImageConfig(user="nobody", workdir="/tmp"))
+    info = await lb.create(SandboxSpec(image="forkyard/base:nobody"))
+    r = await lb.exec(info.id, "id -u; id -g; echo $HOME; pwd; grep CapEff /proc/self/status")
+    uid, gid, home, cwd, caps = r.stdout.splitlines()
+    assert (uid, gid, home, cwd) == ("65534", "65534", "/nonexistent", "/tmp")
+    assert caps.split()[1] == "0000000000000000"
+    await lb.import_rootfs(str(base_rootfs), "forkyard/base:ghost", ImageConfig(user="no-such-user"))
+    with pytest.raises(SandboxError, match="no-such-user"):
+        await lb.create(SandboxSpec(image="forkyard/base:ghost"))
+
+
+async def test_network_true_shares_the_host_network(lb):
+    info = await lb.create(SandboxSpec(image=BASE_REF, network=True))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        r = await lb.exec(
+            info.id, f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 5); print('ok')\""
+        )
+        assert r.stdout == "ok\n", r.stderr
+        listener.settimeout(5)
+        conn, _ = listener.accept()
+        conn.close()
+
+
+async def test_commit_keeps_whiteouts_and_opaque_dirs(lb, backend_root, base_rootfs):
+    info = await lb.create(SPEC)
+    r = await lb.exec(
+        info.id,
+        "echo new > /opt/new.txt && rm /etc/hostname"
+        " && rm -rf /etc/apt && mkdir /etc/apt && echo only > /etc/apt/only.txt",
+    )
+    assert r.exit_code == 0, r.stderr
+    await lb.commit(info.id, "forkyard/test:one", ImageConfig(env={"LAYER": "1"}))
+    manifest = json.loads((backend_root / "images/forkyard/test/one.json").read_text())
+    assert manifest["layers"][0] == str(base_rootfs)
+    layer = Path(manifest["layers"][1])
+    assert layer.parent == backend_root / "layers" and layer.is_dir()
+    assert manifest["config"] == {"env": {"LAYER": "1"}, "workdir": "/", "user": "root"}
+
+    child = await lb.create(SandboxSpec(image="forkyard/test:one"))
+    r = await lb.exec(child.id, "cat /opt/new.txt; test -e /etc/hostname || echo no-hostname; ls /etc/apt; echo $LAYER")
+    assert r.stdout == "new\nno-hostname\nonly.txt\n1\n"
+    # A second generation stacks another layer on top.
+    await lb.exec(child.id, "rm /opt/new.txt && echo two > /opt/two.txt")
+    await lb.commit(child.id, "forkyard/test:two", ImageConfig())
+    grandchild = await lb.create(SandboxSpec(image="forkyard/test:two"))
+    r = await lb.exec(grandchild.id, "ls /opt; test -e /etc/hostname || echo no-hostname")
+    assert r.stdout == "two.txt\nno-hostname\n"
+    assert len(json.loads((backend_root / "images/forkyard/test/two.json").read_text())["layers"]) == 3
+    # The base rootfs is never touched.
+    assert (base_rootfs / "etc/hostname").exists() and (base_rootfs / "etc/apt/sources.list").exists()
+
+    # Layers still used by an image or a live sandbox survive remove_image; the rest go.
+    await lb.remove_image("forkyard/test:one")
+    assert layer.is_dir()  # "two" and the sandboxes still use it
+    for sid in (info.id, child.id, grandchild.id):
+        await lb.destroy(sid)
+    await lb.remove_image("forkyard/test:two")
+    assert sorted(p.name for p in (backend_root / "layers").iterdir()) == []
+    assert not (backend_root / "images/forkyard/test").exists()
+
+
+async def test_missing_device_nodes_are_recreated(lb):
+    info = await lb.create(SPEC)
+    await lb.exec(info.id, "rm -f /dev/zero /dev/urandom")
+    await lb.commit(info.id, "forkyard/test:nodev", ImageConfig())
+    child = await lb.create(SandboxSpec(image="forkyard/test:nodev"))
+    r = await lb.exec(child.id, "head -c 3 /dev/zero | wc -c; head -c 2 /dev/urandom | wc -c")
+    assert r.stdout == "3\n2\n"
+
+
+async def test_large_files_round_trip(lb):
+    info = await lb.create(SPEC)
+    data = os.urandom(3 << 20)
+    await lb.write_file(info.id, "/tmp/big.bin", data)
+    assert await lb.read_file(info.id, "/tmp/big.bin") == data
+    await lb.exec(info.id, "mkfifo /tmp/pipe")
+    with pytest.raises(SandboxError):
+        await asyncio.wait_for(lb.read_file(info.id, "/tmp/pipe"), 5)
+
+
+async def test_shell_killed_between_commands_comes_back(lb):
+    info = await lb.create(SPEC)
+    await lb.exec(info.id, "cd /usr && export GONE=1")
+    meta = json.loads((lb.root_dir / "sandboxes" / info.id / "meta.json").read_text())
+    os.kill(meta["init_pid"], signal.SIGKILL)
+    for _ in range(100):
+        if (await lb.status(info.id)).state is SandboxState.FAILED:
+            break
+        await asyncio.sleep(0.02)
+    assert (await lb.status(info.id)).state is SandboxState.FAILED
+    r = await lb.exec(info.id, "pwd; echo ${GONE:-unset}")
+    assert r.stdout == "/usr\nunset\n"
+    assert (await lb.status(info.id)).state is SandboxState.READY
+
+
+async def test_orphan_after_a_crash_is_listed_and_destroyed(backend_root, base_rootfs, node_name):
+    node = f"{node_name}-{uuid.uuid4().hex[:6]}"
+    first = LocalBackend(backend_root, node)
+    await first.import_rootfs(str(base_rootfs), BASE_REF, BASE_CONFIG)
+    crashed = await first.create(SandboxSpec(image=BASE_REF, labels={"forkyard.owner": "dead-worker"}))
+    closed = await first.create(SPEC)
+    ids = [crashed.id, closed.id]
+    second = LocalBackend(backend_root, node)
+    try:
+        await first.exec(crashed.id, "sleep 300 &")
+        meta = json.loads((backend_root / "sandboxes" / crashed.id / "meta.json").read_text())
+        os.kill(meta["pid"], signal.SIGKILL)  # the unshare process: --kill-child takes the shell
+        # aclose is what a clean shutdown does: the sandboxes stay for a reaper.
+        await first.aclose()
+
+        listed = {i.id: i for i in await second.list()}
+        assert set(ids) <= set(listed)
+        assert listed[crashed.id].state is SandboxState.FAILED
+        assert listed[closed.id].state is SandboxState.FAILED
+        assert listed[crashed.id].labels["forkyard.owner"] == "dead-worker"
+        assert (await second.status(crashed.id)).image == BASE_REF
+        with pytest.raises(SandboxCrashedError):
+            await second.exec(crashed.id, "true")
+        assert local_leftovers(backend_root, ids) != []  # there is something to reap
+        for sid in ids:
+            await second.destroy(sid)
+        assert await second.list() == []
+        assert local_leftovers(backend_root, ids) == []
+    finally:
+        for sid in ids:
+            await second.destroy(sid)
+        await second.aclose()
+
+
+async def test_half_created_sandbox_is_cleaned_up(lb, backend_root, monkeypatch):
+    info = await lb.create(SPEC)
+    await lb.exec(info.id, "rm /usr/bin/bash")
+    await lb.commit(info.id, "forkyard/test:nobash", ImageConfig())
+    names: list[str] = []
+
+    class RecordingCgroup(SandboxCgroup):
+        def __init__(self, name, **kwargs):
+            names.append(name)
+            super().__init__(name, **kwargs)
+
+    monkeypatch.setattr(local, "SandboxCgroup", RecordingCgroup)
+    with pytest.raises(SandboxError, match="did not start"):
+        await lb.create(SandboxSpec(image="forkyard/test:nobash"))
+    assert len(names) == 1
+    assert local_leftovers(backend_root, names) == []
+    assert [i.id for i in await lb.list()] == [info.id]
+
+
+def test_image_refs_are_validated():
+    assert local.parse_image_ref("forkyard/base:3f2a9c1d0b4e") == ("forkyard/base", "3f2a9c1d0b4e")
+    assert local.parse_image_ref("forkyard/env") == ("forkyard/env", "latest")
+    for bad in ("Forkyard/Base:1", "../x:1", "x:../y", "a//b:1", "x:"):
+        with pytest.raises(SandboxError):
+            local.parse_image_ref(bad)
+
+
+def test_layer_paths_with_separators_are_refused():
+    with tempfile.TemporaryDirectory(prefix="forkyard,bad-") as tmp, pytest.raises(SandboxError, match="overlay layer"):
+        LocalBackend(tmp, "n")
