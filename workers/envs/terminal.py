@@ -1,0 +1,488 @@
+"""The terminal environment family: a Harbor-style task in a sandbox, driven by bash.
+
+The agent sees two tools, ``bash`` and ``submit``. Each bash call runs in the
+sandbox's persistent shell (``cd`` and ``export`` persist between calls). The
+episode ends when the agent submits or its time (``[agent] timeout_sec``, wall
+clock from reset) runs out; either way the verifier runs: ``tests/`` is copied to
+``/tests`` only then, ``bash /tests/test.sh`` runs from the task's working
+directory with the environment the image started with (not what the agent
+exported), and the reward is read from ``/logs/verifier/reward.txt`` (a number) or
+``/logs/verifier/reward.json`` (an object of numbers).
+
+The observation of a bash step is, in this order and each only when present::
+
+    <stdout>
+    [stderr]
+    <stderr>
+    [output truncated]
+    [timed out after 60s]
+    [exit code: N]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import shlex
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from sandboxes.base import ExecResult, Resources, SandboxBackend, SandboxInfo, SandboxSpec
+from sandboxes.errors import BackendUnavailableError, SandboxCrashedError, SandboxError, SandboxNotFoundError
+from workers.errors import ActionError, SessionClosedError, TaskFormatError
+from workers.runtime import StepResult
+from workers.tasks import SOLUTION_SCRIPT, TerminalTask
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a bash call may run when the agent gives no timeout.
+DEFAULT_COMMAND_TIMEOUT_S = 60.0
+#: Bytes of stdout (and, separately, stderr) an observation keeps per command.
+DEFAULT_MAX_OUTPUT_BYTES = 32 * 1024
+#: Where the verifier writes its reward, and where tests and the oracle are copied.
+VERIFIER_LOG_DIR = "/logs/verifier"
+AGENT_LOG_DIR = "/logs/agent"
+TESTS_DIR = "/tests"
+SOLUTION_DIR = "/solution"
+REWARD_TXT = f"{VERIFIER_LOG_DIR}/reward.txt"
+REWARD_JSON = f"{VERIFIER_LOG_DIR}/reward.json"
+# Bounds the housekeeping commands the env itself runs (mkdir, rm, probes).
+_HOUSEKEEPING_TIMEOUT_S = 30.0
+_STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Variables bash sets for itself; not restored for the verifier.
+_SHELL_OWNED_VARS = frozenset({"_", "PWD", "OLDPWD", "SHLVL"})
+# Bytes of verifier stdout/stderr kept in info.
+_VERIFIER_OUTPUT_BYTES = 16 * 1024
+
+BASH_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "description": (
+            "Run a bash command in the task's terminal and return its stdout, stderr and exit code. "
+            "The shell persists between calls (cd and export carry over). Commands get no stdin; "
+            "do not start interactive programs."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "command": {"type": "string", "description": "The bash command to run."},
+                "timeout": {
+                    "type": "number",
+                    "description": f"Seconds before the command is killed (default {DEFAULT_COMMAND_TIMEOUT_S:g}).",
+                },
+            },
+            "required": ["command"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+SUBMIT_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "submit",
+        "description": "Finish the task: call this once the work is done; the result is then checked.",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+TOOLS: list[dict[str, Any]] = [BASH_TOOL, SUBMIT_TOOL]
+
+
+def format_exec_result(result: ExecResult, *, timeout_s: float | None = None) -> str:
+    """Render a command's outcome as the observation text the agent sees."""
+    parts: list[str] = []
+    if result.stdout:
+        parts.append(result.stdout if result.stdout.endswith("\n") else result.stdout + "\n")
+    if result.stderr:
+        stderr = result.stderr if result.stderr.endswith("\n") else result.stderr + "\n"
+        parts.append("[stderr]\n" + stderr)
+    if result.truncated:
+        parts.append("[output truncated]\n")
+    if result.timed_out:
+        after = f" after {round(timeout_s, 1):g}s" if timeout_s is not None else ""
+        parts.append(f"[timed out{after}]\n")
+    parts.append(f"[exit code: {result.exit_code}]")
+    return "".join(parts)
+
+
+class TerminalEnv:
+    """One episode of a terminal task in one sandbox: reset, step, submit, close."""
+
+    def __init__(
+        self,
+        task: TerminalTask,
+        backend: SandboxBackend,
+        *,
+        image: str,
+        labels: Mapping[str, str] | None = None,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    ) -> None:
+        self.task = task
+        self.backend = backend
+        self.image = image
+        self.labels = dict(labels or {})
+        self.max_output_bytes = max_output_bytes
+        self.sandbox: SandboxInfo | None = None
+        self.workdir: str | None = None
+        """The shell's directory right after reset (the image's WORKDIR); tests and the oracle run there."""
+        self.steps = 0
+        self._deadline: float | None = None
+        self._initial_env: dict[str, str] | None = None
+        self._done = False
+        self._closed = False
+        self._lock = asyncio.Lock()
+
+    @property
+    def done(self) -> bool:
+        """Tell whether the episode has ended (submitted or out of time)."""
+        return self._done
+
+    def time_left(self) -> float:
+        """Return the seconds of agent time left (the full budget before reset)."""
+        if self._deadline is None:
+            return self.task.agent_timeout_s
+        return self._deadline - time.monotonic()
+
+    async def reset(self) -> str:
+        """Create the sandbox (dropping any previous one) and return the instruction."""
+        async with self._lock:
+            if self._closed:
+                raise SessionClosedError("the environment is closed")
+            await self._destroy_sandbox()
+            spec = SandboxSpec(
+                image=self.image,
+                resources=Resources(cpus=self.task.cpus, memory_mb=self.task.memory_mb),
+                network=self.task.network,
+                labels=self.labels,
+            )
+            sandbox = await self.backend.create(spec)
+            self.sandbox = sandbox
+            try:
+                result = await self._housekeeping(
+                    f"mkdir -p {VERIFIER_LOG_DIR} {AGENT_LOG_DIR} && pwd", what="prepare the sandbox"
+                )
+                self.workdir = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "/"
+                self._initial_env = await self._capture_env()
+            except BaseException:
+                await self._destroy_sandbox()
+                raise
+            self.steps = 0
+            self._done = False
+            self._deadline = time.monotonic() + self.task.agent_timeout_s
+            logger.info(
+                "terminal task %s: sandbox %s ready (image %s, workdir %s)",
+                self.task.name,
+                sandbox.id,
+                self.image,
+                self.workdir,
+            )
+            return self.task.instruction
+
+    async def step(self, tool: str, arguments: Mapping[str, Any] | None = None) -> StepResult:
+        """Apply one tool call; ``submit`` (or running out of time) ends the episode.
+
+        Raises:
+            ActionError: unknown tool or invalid arguments (the episode goes on).
+            SessionClosedError: the episode has ended or the env is closed.
+        """
+        async with self._lock:
+            self._check_open()
+            if arguments is None:
+                arguments = {}
+            if not isinstance(arguments, Mapping):
+                raise ActionError(f"the arguments of {tool!r} must be an object, got {type(arguments).__name__}")
+            if tool == "bash":
+                command, requested = _bash_arguments(arguments)
+                self.steps += 1
+                return await self._bash(command, requested)
+            if tool == "submit":
+                _check_no_arguments("submit", arguments)
+                self.steps += 1
+                return await self._finish("[episode ended: submitted]\n", truncated=False)
+            names = ", ".join(t["function"]["name"] for t in TOOLS)
+            raise ActionError(f"unknown tool {tool!r}; the tools are: {names}")
+
+    async def run_oracle(self) -> StepResult:
+        """Copy ``solution/`` to /solution, run ``solve.sh`` from the workdir, then submit.
+
+        Raises:
+            TaskFormatError: the task has no ``solution/solve.sh``.
+            SessionClosedError: the episode has ended or the env is closed.
+        """
+        async with self._lock:
+            self._check_open()
+            if not self.task.has_solution:
+                raise TaskFormatError(
+                    f"task {self.task.name!r} has no oracle: {SOLUTION_SCRIPT} is missing", file=SOLUTION_SCRIPT
+                )
+            sandbox_id = self._sandbox_id()
+            await self._housekeeping(f"rm -rf {SOLUTION_DIR}", what="clear /solution")
+            for rel, data in sorted(self.task.solution_files.items()):
+                mode = 0o755 if rel.endswith(".sh") else 0o644
+                await self.backend.write_file(sandbox_id, f"{SOLUTION_DIR}/{rel}", data, mode=mode)
+            timeout = max(self.time_left(), 1.0)
+            result = await self.backend.exec(
+                sandbox_id,
+                self._clean_command(f"{SOLUTION_DIR}/solve.sh"),
+                timeout_s=timeout,
+                max_output_bytes=self.max_output_bytes,
+            )
+            observation = format_exec_result(result, timeout_s=timeout)
+            oracle = {
+                "exit_code": result.exit_code,
+                "stdout": result.stdout,
+                "stderr": result.stderr,
+                "timed_out": result.timed_out,
+            }
+            if result.exit_code != 0:
+                logger.warning(
+                    "terminal task %s: oracle exited %s in sandbox %s", self.task.name, result.exit_code, sandbox_id
+                )
+            out_of_time = self.time_left() <= 0
+            ending = (
+                f"[episode ended: agent time limit of {self.task.agent_timeout_s:g}s reached]\n"
+                if out_of_time
+                else "[episode ended: submitted]\n"
+            )
+            step = await self._finish(observation + "\n" + ending, truncated=out_of_time)
+            step.info["oracle"] = oracle
+            return step
+
+    async def close(self) -> None:
+        """Destroy the sandbox; later calls do nothing."""
+        async with self._lock:
+            self._closed = True
+            self._done = True
+            await self._destroy_sandbox()
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError("the environment is closed")
+        if self._done:
+            raise SessionClosedError("the episode has ended; reset to start another")
+        if self.sandbox is None:
+            raise SessionClosedError("the environment has not been reset")
+
+    def _sandbox_id(self) -> str:
+        assert self.sandbox is not None
+        return self.sandbox.id
+
+    async def _destroy_sandbox(self) -> None:
+        sandbox, self.sandbox = self.sandbox, None
+        if sandbox is not None:
+            await self.backend.destroy(sandbox.id)
+            logger.info("terminal task %s: sandbox %s destroyed", self.task.name, sandbox.id)
+
+    async def _housekeeping(self, command: str, *, what: str) -> ExecResult:
+        # A subshell with a standard PATH: whatever the agent exported must not break these.
+        wrapped = f"(PATH={_STANDARD_PATH}; {command})"
+        result = await self.backend.exec(self._sandbox_id(), wrapped, timeout_s=_HOUSEKEEPING_TIMEOUT_S)
+        if result.exit_code != 0:
+            detail = (result.stderr or result.stdout).strip()[-500:]
+            detail = detail or f"exit code {result.exit_code}"
+            raise SandboxError(f"could not {what} in sandbox {self._sandbox_id()}: {detail}")
+        return result
+
+    async def _capture_env(self) -> dict[str, str] | None:
+        """Return the shell's exported variables as the image left them (None if unreadable)."""
+        result = await self.backend.exec(self._sandbox_id(), "env -0", timeout_s=_HOUSEKEEPING_TIMEOUT_S)
+        if result.exit_code != 0:
+            logger.warning(
+                "terminal task %s: cannot read the image environment; the verifier inherits the agent's", self.task.name
+            )
+            return None
+        env: dict[str, str] = {}
+        for item in result.stdout.split("\0"):
+            key, sep, value = item.partition("=")
+            if sep and key and key not in _SHELL_OWNED_VARS:
+                env[key] = value
+        return env
+
+    def _clean_command(self, script: str) -> str:
+        """Return a command running ``bash script`` from the workdir with the image's environment.
+
+        Variables the agent exported (PATH, PYTHONPATH...) must not steer the verifier.
+        """
+        run = f"bash {shlex.quote(script)}"
+        if self._initial_env is not None:
+            assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(self._initial_env.items()))
+            run = f"command -p env -i {assignments} {run}"
+        return f"(cd {shlex.quote(self.workdir or '/')} && {run})"
+
+    async def _bash(self, command: str, requested: float | None) -> StepResult:
+        left = self.time_left()
+        if left <= 0:
+            return await self._out_of_time("")
+        wanted = requested if requested is not None else DEFAULT_COMMAND_TIMEOUT_S
+        timeout = min(wanted, left)
+        result = await self.backend.exec(
+            self._sandbox_id(), command, timeout_s=timeout, max_output_bytes=self.max_output_bytes
+        )
+        observation = format_exec_result(result, timeout_s=timeout)
+        # A command cut short by the agent's deadline (not its own timeout) ends the episode.
+        if self.time_left() <= 0 or (result.timed_out and wanted >= left):
+            return await self._out_of_time(observation + "\n")
+        return StepResult(
+            observation=observation,
+            reward=None,
+            terminated=False,
+            truncated=False,
+            info={"exit_code": result.exit_code, "timed_out": result.timed_out, "time_left_s": self.time_left()},
+        )
+
+    async def _out_of_time(self, observation: str) -> StepResult:
+        note = f"[episode ended: agent time limit of {self.task.agent_timeout_s:g}s reached]\n"
+        return await self._finish(observation + note, truncated=True)
+
+    async def _finish(self, observation: str, *, truncated: bool) -> StepResult:
+        """Run the verifier, end the episode and return the final step."""
+        self._done = True
+        reward, details, verifier, error = await self._verify()
+        info: dict[str, Any] = {"reward_details": details, "verifier": verifier}
+        lines = [observation.rstrip("\n")]
+        if error is not None:
+            info["verifier_error"] = error
+            lines.append(f"[verifier error: {error}]")
+        lines.append(f"[reward: {reward:g}]")
+        logger.info(
+            "terminal task %s: episode ended in sandbox %s after %d steps, reward %g%s",
+            self.task.name,
+            self.sandbox.id if self.sandbox else "-",
+            self.steps,
+            reward,
+            f" (verifier error: {error})" if error else "",
+        )
+        return StepResult(
+            observation="\n".join(lines),
+            reward=reward,
+            terminated=not truncated,
+            truncated=truncated,
+            info=info,
+        )
+
+    async def _verify(self) -> tuple[float, dict[str, float], dict[str, Any], str | None]:
+        """Copy the tests in, run test.sh and read the reward; return (reward, details, verifier, error)."""
+        sandbox_id = self._sandbox_id()
+        verifier: dict[str, Any] = {"exit_code": None, "stdout": "", "stderr": "", "timed_out": False}
+        try:
+            # Whatever the agent left at these paths must not decide the reward.
+            await self._housekeeping(
+                f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} && mkdir -p {VERIFIER_LOG_DIR}", what="prepare the verifier"
+            )
+            for rel, data in sorted(self.task.test_files.items()):
+                mode = 0o755 if rel.endswith(".sh") else 0o644
+                await self.backend.write_file(sandbox_id, f"{TESTS_DIR}/{rel}", data, mode=mode)
+            timeout = self.task.verifier_timeout_s
+            result = await self.backend.exec(
+                sandbox_id,
+                self._clean_command(f"{TESTS_DIR}/test.sh"),
+                timeout_s=timeout,
+                max_output_bytes=_VERIFIER_OUTPUT_BYTES,
+            )
+            verifier.update(
+                exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr, timed_out=result.timed_out
+            )
+            if result.timed_out:
+                return 0.0, {}, verifier, f"the verifier timed out after {timeout:g}s"
+            probe = await self._housekeeping(
+                f"if [ -f {REWARD_TXT} ]; then echo txt; elif [ -f {REWARD_JSON} ]; then echo json; fi",
+                what="look for the reward file",
+            )
+            kind = probe.stdout.strip()
+            if kind == "txt":
+                raw = await self.backend.read_file(sandbox_id, REWARD_TXT)
+                reward, details = parse_reward_txt(raw)
+            elif kind == "json":
+                raw = await self.backend.read_file(sandbox_id, REWARD_JSON)
+                reward, details = parse_reward_json(raw)
+            else:
+                raise _RewardError(
+                    f"the verifier wrote neither {REWARD_TXT} nor {REWARD_JSON} (exit code {result.exit_code})"
+                )
+        except _RewardError as exc:
+            return 0.0, {}, verifier, str(exc)
+        except (SandboxNotFoundError, SandboxCrashedError, BackendUnavailableError):
+            raise
+        except (SandboxError, OSError) as exc:
+            # The agent can wreck its sandbox (rm -rf /, a file where /logs was); that scores zero.
+            logger.warning(
+                "terminal task %s: verifier could not run in sandbox %s: %s", self.task.name, sandbox_id, exc
+            )
+            return 0.0, {}, verifier, f"the verifier could not run: {exc}"
+        return reward, details, verifier, None
+
+
+class _RewardError(Exception):
+    """The verifier's reward file is missing or malformed."""
+
+
+def _finite_number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def parse_reward_txt(raw: bytes) -> tuple[float, dict[str, float]]:
+    """Parse ``reward.txt`` (one finite number); raise _RewardError otherwise."""
+    text = raw.decode("utf-8", errors="replace").strip()
+    try:
+        number = float(text)
+    except ValueError:
+        raise _RewardError(f"{REWARD_TXT} must hold one number, got {text[:100]!r}") from None
+    if not math.isfinite(number):
+        raise _RewardError(f"{REWARD_TXT} must hold a finite number, got {text[:100]!r}")
+    return number, {"reward": number}
+
+
+def parse_reward_json(raw: bytes) -> tuple[float, dict[str, float]]:
+    """Parse ``reward.json`` (an object of finite numbers); the reward is its "reward" key, else the mean."""
+    try:
+        data = json.loads(raw.decode("utf-8", errors="replace"))
+    except ValueError as exc:
+        raise _RewardError(f"{REWARD_JSON} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or not data:
+        raise _RewardError(f"{REWARD_JSON} must hold a non-empty object of numbers")
+    details: dict[str, float] = {}
+    for key, value in data.items():
+        number = _finite_number(value)
+        if number is None:
+            raise _RewardError(f"{REWARD_JSON}: {key!r} must be a finite number, got {value!r}")
+        details[str(key)] = number
+    reward = details["reward"] if "reward" in details else sum(details.values()) / len(details)
+    return reward, details
+
+
+def _bash_arguments(arguments: Mapping[str, Any]) -> tuple[str, float | None]:
+    unknown = sorted(set(arguments) - {"command", "timeout"})
+    if unknown:
+        raise ActionError(f"bash takes 'command' and optional 'timeout', not {', '.join(map(repr, unknown))}")
+    command = arguments.get("command")
+    if not isinstance(command, str):
+        raise ActionError(f"bash needs a 'command' string, got {command!r}")
+    if not command.strip():
+        raise ActionError("bash needs a non-empty 'command'")
+    if "\x00" in command:
+        raise ActionError("the bash command must not contain NUL bytes")
+    timeout = arguments.get("timeout")
+    if timeout is None:
+        return command, None
+    number = _finite_number(timeout)
+    if number is None or number <= 0:
+        raise ActionError(f"bash 'timeout' must be a positive number of seconds, got {timeout!r}")
+    return command, number
+
+
+def _check_no_arguments(tool: str, arguments: Mapping[str, Any]) -> None:
+    if arguments:
+        raise ActionError(f"{tool} takes no arguments, got {', '.join(map(repr, sorted(arguments)))}")
+
+
+__all__ = ["BASH_TOOL", "SUBMIT_TOOL", "TOOLS", "TerminalEnv", "format_exec_result"]

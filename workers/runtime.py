@@ -1,0 +1,188 @@
+"""The worker runtime: owns a sandbox backend and the live environment sessions.
+
+The gateway never touches a sandbox; it calls these methods (in-process in embedded
+mode, through Celery tasks in distributed mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sandboxes.base import LABEL_OWNER, SandboxBackend, SandboxInfo
+from workers.errors import ActionError, ImageBuildError, SessionNotFoundError
+
+if TYPE_CHECKING:
+    from workers.envs.terminal import TerminalEnv
+    from workers.tasks import TerminalTask
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SessionOpened:
+    """What a new session shows the caller."""
+
+    session_id: str
+    sandbox: SandboxInfo
+    observation: str
+    tools: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Gym-style outcome of one action."""
+
+    observation: str
+    reward: float | None
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class WorkerRuntime:
+    """Own one sandbox backend and the environment sessions running on it."""
+
+    def __init__(
+        self,
+        backend: SandboxBackend,
+        *,
+        image_cache_dir: Path,
+        aliases: Mapping[str, str] | None = None,
+        base_image: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.image_cache_dir = Path(image_cache_dir)
+        self.aliases = aliases
+        self.base_image = base_image
+        self._envs: dict[str, TerminalEnv] = {}
+        self._build_locks: dict[str, asyncio.Lock] = {}
+
+    @property
+    def node(self) -> str:
+        """Name of the node this runtime's sandboxes live on."""
+        return self.backend.node
+
+    async def start(self, *, progress: Callable[[str], None] | None = None) -> None:
+        """Make sure the base image exists on the backend (built once, then reused)."""
+        from sandboxes.images import ensure_base_image
+
+        if self.base_image is None:
+            self.base_image = await ensure_base_image(self.backend, self.image_cache_dir, progress=progress)
+
+    async def task_image(self, task: TerminalTask, *, progress: Callable[[str], None] | None = None) -> str:
+        """Return the image a task's sandboxes start from, building it on first use."""
+        if self.base_image is None:
+            await self.start(progress=progress)
+        assert self.base_image is not None
+        if task.docker_image:
+            image = dict(self._aliases()).get(task.docker_image, task.docker_image)
+            if not await self.backend.has_image(image):
+                raise ImageBuildError(
+                    f"task {task.name!r}: docker_image {task.docker_image!r} is not available locally"
+                )
+            return image
+        dockerfile = task.files.get("environment/Dockerfile")
+        if dockerfile is None:
+            raise ImageBuildError(f"task {task.name!r} has neither environment/Dockerfile nor docker_image")
+        context = {
+            path.removeprefix("environment/"): data
+            for path, data in task.files.items()
+            if path.startswith("environment/")
+        }
+        from workers.dockerfile import build_task_image
+
+        # Concurrent sessions of one task share one build.
+        lock = self._build_locks.setdefault(task.content_hash, asyncio.Lock())
+        async with lock:
+            return await build_task_image(
+                self.backend,
+                dockerfile=dockerfile.decode("utf-8", errors="replace"),
+                context=context,
+                base_image=self.base_image,
+                aliases=self._aliases(),
+                progress=progress,
+            )
+
+    def _aliases(self) -> Mapping[str, str]:
+        from workers.dockerfile import DEFAULT_ALIASES
+
+        assert self.base_image is not None
+        table = dict(self.aliases) if self.aliases is not None else dict(DEFAULT_ALIASES)
+        return {name: (self.base_image if target == "base" else target) for name, target in table.items()}
+
+    async def open_session(
+        self, session_id: str, task: TerminalTask, *, labels: Mapping[str, str] | None = None
+    ) -> SessionOpened:
+        """Start a sandbox for ``task`` and return the first observation and the tools."""
+        if session_id in self._envs:
+            raise ActionError(f"session {session_id} is already open")
+        from workers.envs.terminal import TOOLS, TerminalEnv
+
+        image = await self.task_image(task)
+        env = TerminalEnv(
+            task,
+            self.backend,
+            image=image,
+            labels={LABEL_OWNER: session_id, "forkyard.task": task.name, **(labels or {})},
+        )
+        self._envs[session_id] = env
+        try:
+            observation = await env.reset()
+        except BaseException:
+            self._envs.pop(session_id, None)
+            await env.close()
+            raise
+        assert env.sandbox is not None
+        logger.info("session %s opened on sandbox %s (task %s)", session_id, env.sandbox.id, task.name)
+        return SessionOpened(session_id, env.sandbox, observation, list(TOOLS))
+
+    def _env(self, session_id: str) -> TerminalEnv:
+        try:
+            return self._envs[session_id]
+        except KeyError:
+            raise SessionNotFoundError(f"no open session {session_id} on node {self.node}") from None
+
+    async def step(self, session_id: str, tool: str, arguments: dict[str, Any]) -> StepResult:
+        """Apply one action in the session's environment."""
+        return await self._env(session_id).step(tool, arguments)
+
+    async def run_oracle(self, session_id: str) -> StepResult:
+        """Run the task's oracle solution, then verify."""
+        return await self._env(session_id).run_oracle()
+
+    async def close_session(self, session_id: str) -> None:
+        """Destroy the session's sandbox; closing twice is fine."""
+        env = self._envs.pop(session_id, None)
+        if env is not None:
+            await env.close()
+            logger.info("session %s closed", session_id)
+
+    async def list_sandboxes(self) -> list[SandboxInfo]:
+        """Return every sandbox of this node, live or orphaned."""
+        return await self.backend.list()
+
+    async def reap(self, keep_owner_ids: set[str] = frozenset()) -> list[str]:
+        """Destroy this node's sandboxes that neither a live session here nor ``keep_owner_ids`` owns."""
+        reaped = []
+        for info in await self.backend.list():
+            owner = info.labels.get(LABEL_OWNER)
+            if owner in self._envs or owner in keep_owner_ids:
+                continue
+            await self.backend.destroy(info.id)
+            reaped.append(info.id)
+            logger.warning("reaped orphan sandbox %s (owner %s)", info.id, owner)
+        return reaped
+
+    async def aclose(self) -> None:
+        """Close every session, then the backend."""
+        for session_id in list(self._envs):
+            try:
+                await self.close_session(session_id)
+            except Exception:  # keep closing the others
+                logger.exception("closing session %s failed", session_id)
+        await self.backend.aclose()

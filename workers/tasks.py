@@ -1,0 +1,526 @@
+"""Harbor-style terminal tasks: load, validate, hash and archive task directories.
+
+A task directory looks like::
+
+    <name>/
+        instruction.md          what the agent is asked to do (required, non-empty)
+        task.toml               [metadata], [agent], [verifier], [environment] (required)
+        environment/Dockerfile  the scene (required unless [environment] docker_image)
+        tests/test.sh           the verifier, copied in only at verification (required)
+        solution/solve.sh       the oracle (optional)
+
+Unknown keys of ``task.toml`` are ignored (Harbor grows new ones); known keys must
+have the right type. Every problem is a :class:`~workers.errors.TaskFormatError`
+naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import logging
+import math
+import os
+import re
+import stat
+import tarfile
+import tomllib
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from workers.errors import TaskFormatError
+
+logger = logging.getLogger(__name__)
+
+#: Cap on the total bytes of one task's files.
+MAX_TASK_BYTES = 16 * 1024 * 1024
+#: Cap on the number of files in one task.
+MAX_TASK_FILES = 4096
+#: Cap on the total bytes unpacked from one uploaded archive (several tasks).
+MAX_ARCHIVE_BYTES = 256 * 1024 * 1024
+#: Cap on the number of members of one uploaded archive.
+MAX_ARCHIVE_MEMBERS = 65536
+
+DEFAULT_AGENT_TIMEOUT_S = 600.0
+DEFAULT_VERIFIER_TIMEOUT_S = 120.0
+DEFAULT_CPUS = 1.0
+DEFAULT_MEMORY_MB = 1024
+
+INSTRUCTION_FILE = "instruction.md"
+CONFIG_FILE = "task.toml"
+DOCKERFILE = "environment/Dockerfile"
+TEST_SCRIPT = "tests/test.sh"
+SOLUTION_SCRIPT = "solution/solve.sh"
+
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_MEMORY_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", re.IGNORECASE)
+_MEMORY_UNIT_MB = {"": 1 / (1024 * 1024), "K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
+# Archive junk that is never part of a task (macOS resource forks and Finder files).
+_JUNK_PARTS = {"__MACOSX", ".DS_Store"}
+_HASH_DOMAIN = b"forkyard.terminal-task.v1\x00"
+# Fixed mtime for archive entries, so the same task always gives the same bytes.
+_TAR_MTIME = 0
+
+
+@dataclass(frozen=True)
+class TerminalTask:
+    """One validated Harbor-style terminal task, held in memory."""
+
+    name: str
+    instruction: str
+    metadata: dict[str, Any]
+    agent_timeout_s: float
+    verifier_timeout_s: float
+    cpus: float
+    memory_mb: int
+    docker_image: str | None
+    network: bool
+    files: Mapping[str, bytes]
+    """Every file of the task dir by relative posix path, sorted."""
+    content_hash: str
+    """sha256 hex of a canonical encoding of the name and the files."""
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.content_hash))
+
+    @property
+    def dockerfile(self) -> str | None:
+        """Return ``environment/Dockerfile`` as text, or None when the task has none."""
+        data = self.files.get(DOCKERFILE)
+        return None if data is None else data.decode("utf-8")
+
+    @property
+    def environment_context(self) -> dict[str, bytes]:
+        """Return the files under ``environment/`` keyed by their path inside it."""
+        return _subtree(self.files, "environment/")
+
+    @property
+    def test_files(self) -> dict[str, bytes]:
+        """Return the files under ``tests/`` keyed by their path inside it."""
+        return _subtree(self.files, "tests/")
+
+    @property
+    def solution_files(self) -> dict[str, bytes]:
+        """Return the files under ``solution/`` keyed by their path inside it."""
+        return _subtree(self.files, "solution/")
+
+    @property
+    def has_solution(self) -> bool:
+        """Tell whether the task ships an oracle ``solution/solve.sh``."""
+        return SOLUTION_SCRIPT in self.files
+
+
+def _subtree(files: Mapping[str, bytes], prefix: str) -> dict[str, bytes]:
+    return {path[len(prefix) :]: data for path, data in files.items() if path.startswith(prefix)}
+
+
+def content_hash(name: str, files: Mapping[str, bytes]) -> str:
+    """Return the sha256 hex of a task's name and files in a canonical encoding."""
+    digest = hashlib.sha256(_HASH_DOMAIN)
+    encoded_name = name.encode("utf-8")
+    digest.update(len(encoded_name).to_bytes(8, "big") + encoded_name)
+    for path in sorted(files):
+        encoded_path = path.encode("utf-8")
+        data = files[path]
+        digest.update(len(encoded_path).to_bytes(8, "big") + encoded_path)
+        digest.update(len(data).to_bytes(8, "big") + data)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_task_dir(path: str | os.PathLike[str]) -> TerminalTask:
+    """Read and validate the task directory at ``path``; its name is the directory's.
+
+    Raises:
+        TaskFormatError: the directory is missing, too big, holds a symlink or
+            special file, or its contents are malformed.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise TaskFormatError(f"task directory {str(root)!r} does not exist or is not a directory", file=str(root))
+    name = root.resolve().name
+    files: dict[str, bytes] = {}
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames.sort()
+        base = Path(dirpath)
+        for entry in sorted(dirnames + filenames):
+            full = base / entry
+            rel = full.relative_to(root).as_posix()
+            st = full.lstat()
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                raise TaskFormatError(f"{rel}: symbolic links are not allowed in a task directory", file=rel)
+            if not stat.S_ISREG(st.st_mode):
+                raise TaskFormatError(f"{rel}: only regular files are allowed in a task directory", file=rel)
+            total += st.st_size
+            _check_size(total, len(files) + 1, file=rel)
+            files[rel] = full.read_bytes()
+    return load_task_files(name, files)
+
+
+def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
+    """Validate an in-memory task directory (relative posix path -> bytes).
+
+    Raises:
+        TaskFormatError: the name, a path, the size or the contents are invalid.
+    """
+    validate_task_name(name)
+    clean: dict[str, bytes] = {}
+    total = 0
+    for raw_path, data in files.items():
+        path = _normalize_member_path(raw_path)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TaskFormatError(f"{path}: file content must be bytes, got {type(data).__name__}", file=path)
+        if path in clean:
+            raise TaskFormatError(f"{path}: the file appears twice", file=path)
+        clean[path] = bytes(data)
+        total += len(data)
+        _check_size(total, len(clean), file=path)
+    for path in clean:
+        # A file cannot also be a directory of another file ("a" and "a/b").
+        parent = path.rpartition("/")[0]
+        while parent:
+            if parent in clean:
+                raise TaskFormatError(f"{parent}: is both a file and a directory", file=parent)
+            parent = parent.rpartition("/")[0]
+
+    instruction = _text(clean, INSTRUCTION_FILE)
+    if not instruction.strip():
+        raise TaskFormatError(f"{INSTRUCTION_FILE}: the instruction is empty", file=INSTRUCTION_FILE)
+    config = _parse_config(_text(clean, CONFIG_FILE))
+
+    metadata = _table(config, "metadata")
+    agent = _table(config, "agent")
+    verifier = _table(config, "verifier")
+    environment = _table(config, "environment")
+    known = {"metadata", "agent", "verifier", "environment", "version"}
+    for key in config:
+        if key not in known:
+            logger.debug("task %s: ignoring unknown task.toml key %r", name, key)
+
+    agent_timeout = _positive_number(agent, "agent", "timeout_sec", DEFAULT_AGENT_TIMEOUT_S)
+    verifier_timeout = _positive_number(verifier, "verifier", "timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S)
+    cpus = _positive_number(environment, "environment", "cpus", DEFAULT_CPUS)
+    memory_mb = _memory_mb(environment)
+    docker_image = environment.get("docker_image")
+    if docker_image is not None and (not isinstance(docker_image, str) or not docker_image.strip()):
+        raise TaskFormatError(
+            f"{CONFIG_FILE}: [environment] docker_image must be a non-empty string, got {docker_image!r}",
+            file=CONFIG_FILE,
+            field="environment.docker_image",
+        )
+    network = environment.get("network", False)
+    if not isinstance(network, bool):
+        raise TaskFormatError(
+            f"{CONFIG_FILE}: [environment] network must be true or false, got {network!r}",
+            file=CONFIG_FILE,
+            field="environment.network",
+        )
+
+    if TEST_SCRIPT not in clean:
+        raise TaskFormatError(f"{TEST_SCRIPT}: the verifier script is missing", file=TEST_SCRIPT)
+    if docker_image is None and DOCKERFILE not in clean:
+        raise TaskFormatError(
+            f"{DOCKERFILE}: missing, and {CONFIG_FILE} sets no [environment] docker_image",
+            file=DOCKERFILE,
+            field="environment.docker_image",
+        )
+    if DOCKERFILE in clean:
+        _text(clean, DOCKERFILE)
+    for script in (TEST_SCRIPT, SOLUTION_SCRIPT):
+        if script in clean:
+            _text(clean, script)
+
+    ordered = {path: clean[path] for path in sorted(clean)}
+    return TerminalTask(
+        name=name,
+        instruction=instruction,
+        metadata=metadata,
+        agent_timeout_s=agent_timeout,
+        verifier_timeout_s=verifier_timeout,
+        cpus=cpus,
+        memory_mb=memory_mb,
+        docker_image=docker_image.strip() if docker_image is not None else None,
+        network=network,
+        files=MappingProxyType(ordered),
+        content_hash=content_hash(name, ordered),
+    )
+
+
+def validate_task_name(name: object) -> str:
+    """Return ``name`` if it is a valid task name (letters, digits, '-', '_', '.').
+
+    Raises:
+        TaskFormatError: the name is empty, too long or has other characters.
+    """
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise TaskFormatError(
+            f"invalid task name {name!r}: use 1-128 letters, digits, '-', '_' or '.', starting with a letter or digit",
+            field="name",
+        )
+    return name
+
+
+def _check_size(total: int, count: int, *, file: str) -> None:
+    if total > MAX_TASK_BYTES:
+        raise TaskFormatError(
+            f"{file}: the task's files exceed the {MAX_TASK_BYTES // (1024 * 1024)} MiB limit",
+            file=file,
+        )
+    if count > MAX_TASK_FILES:
+        raise TaskFormatError(f"{file}: the task has more than {MAX_TASK_FILES} files", file=file)
+
+
+def _normalize_member_path(raw: object) -> str:
+    """Return a task-relative posix path, refusing absolute paths and '..'."""
+    if not isinstance(raw, str) or not raw or "\x00" in raw or "\\" in raw:
+        raise TaskFormatError(f"invalid file path {raw!r} in the task", file=str(raw))
+    if raw.startswith("/"):
+        raise TaskFormatError(f"{raw}: absolute paths are not allowed in a task", file=raw)
+    parts = [part for part in raw.split("/") if part not in ("", ".")]
+    if ".." in parts:
+        raise TaskFormatError(f"{raw}: '..' is not allowed in a task file path", file=raw)
+    if not parts:
+        raise TaskFormatError(f"invalid file path {raw!r} in the task", file=raw)
+    return "/".join(parts)
+
+
+def _text(files: Mapping[str, bytes], path: str) -> str:
+    if path not in files:
+        raise TaskFormatError(f"{path}: the file is missing", file=path)
+    try:
+        return files[path].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskFormatError(f"{path}: not valid UTF-8 text ({exc.reason} at byte {exc.start})", file=path) from exc
+
+
+def _parse_config(text: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise TaskFormatError(f"{CONFIG_FILE}: invalid TOML: {exc}", file=CONFIG_FILE) from exc
+
+
+def _table(config: Mapping[str, Any], key: str) -> dict[str, Any]:
+    value = config.get(key, {})
+    if not isinstance(value, dict):
+        raise TaskFormatError(
+            f"{CONFIG_FILE}: [{key}] must be a table, got {type(value).__name__}",
+            file=CONFIG_FILE,
+            field=key,
+        )
+    return value
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive_number(table: Mapping[str, Any], section: str, key: str, default: float) -> float:
+    value = table.get(key, default)
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
+        raise TaskFormatError(
+            f"{CONFIG_FILE}: [{section}] {key} must be a positive number, got {value!r}",
+            file=CONFIG_FILE,
+            field=f"{section}.{key}",
+        )
+    return float(value)
+
+
+def _memory_mb(environment: Mapping[str, Any]) -> int:
+    if "memory_mb" in environment:
+        value = environment["memory_mb"]
+        if not _is_number(value) or not math.isfinite(value) or value != int(value) or value < 1:
+            raise TaskFormatError(
+                f"{CONFIG_FILE}: [environment] memory_mb must be a positive whole number, got {value!r}",
+                file=CONFIG_FILE,
+                field="environment.memory_mb",
+            )
+        return int(value)
+    if "memory" in environment:
+        # Older Harbor/Terminal-Bench tasks say memory = "2G".
+        value = environment["memory"]
+        match = _MEMORY_RE.fullmatch(value) if isinstance(value, str) else None
+        megabytes = float(match.group(1)) * _MEMORY_UNIT_MB[match.group(2).upper()] if match else 0
+        if megabytes < 1:
+            raise TaskFormatError(
+                f"{CONFIG_FILE}: [environment] memory must be a size such as '2G' or '512M', got {value!r}",
+                file=CONFIG_FILE,
+                field="environment.memory",
+            )
+        return int(megabytes)
+    return DEFAULT_MEMORY_MB
+
+
+# --------------------------------------------------------------------------- archives
+
+
+def task_to_tar(task: TerminalTask) -> bytes:
+    """Return a deterministic tar.gz holding the task as one top-level folder ``<name>/``.
+
+    Entries are sorted, with a fixed mtime, uid/gid 0 and no user names; ``.sh``
+    files get mode 0755, others 0644.
+    """
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        directories = sorted(
+            {"/".join(path.split("/")[:i]) for path in task.files for i in range(1, path.count("/") + 1)}
+        )
+        entries = [(d, None) for d in directories] + [(p, task.files[p]) for p in task.files]
+        for rel, data in sorted(entries, key=lambda item: item[0]):
+            info = tarfile.TarInfo(f"{task.name}/{rel}")
+            info.mtime = _TAR_MTIME
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                info.mode = 0o755
+                archive.addfile(info)
+            else:
+                info.mode = 0o755 if rel.endswith(".sh") else 0o644
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+    out = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0) as gz:
+        gz.write(raw.getvalue())
+    return out.getvalue()
+
+
+def tasks_from_tar(data: bytes) -> list[TerminalTask]:
+    """Read the task dirs of a tar archive (plain, gzip, bzip2 or xz).
+
+    The archive holds either one task (``task.toml`` at its top, or in its single
+    top-level folder) or several task dirs (each top-level folder with a
+    ``task.toml``); a single wrapping folder around several tasks is looked through.
+    A task at the very top takes its name from ``[metadata] name``.
+
+    Raises:
+        TaskFormatError: the archive is unreadable, too big, holds links, absolute
+            or '..' paths, or one of its tasks is malformed.
+    """
+    files = _read_archive(data)
+    if not files:
+        raise TaskFormatError("the archive holds no files", file="<archive>")
+    prefix = ""
+    # Look through wrapping folders ("tasks/a/...", "tasks/b/...") that hold no task themselves.
+    while True:
+        here = {p[len(prefix) :] for p in files if p.startswith(prefix)}
+        if CONFIG_FILE in here or INSTRUCTION_FILE in here:
+            return [_single_top_task(files, prefix)]
+        tops = {p.split("/", 1)[0] for p in here}
+        if len(tops) == 1 and all("/" in p for p in here):
+            top = tops.pop()
+            if f"{top}/{CONFIG_FILE}" in here or f"{top}/{INSTRUCTION_FILE}" in here:
+                return [_folder_task(files, prefix, top)]
+            prefix += top + "/"
+            continue
+        break
+    tasks: list[TerminalTask] = []
+    for top in sorted(tops):
+        has_config = f"{top}/{CONFIG_FILE}" in here
+        has_instruction = f"{top}/{INSTRUCTION_FILE}" in here
+        if has_config or has_instruction:
+            tasks.append(_folder_task(files, prefix, top))
+        else:
+            logger.info("archive: ignoring %r, which is not a task directory (no %s)", prefix + top, CONFIG_FILE)
+    if not tasks:
+        raise TaskFormatError(
+            f"the archive holds no task directory (no {CONFIG_FILE} at its top or in a top-level folder)",
+            file=CONFIG_FILE,
+        )
+    return tasks
+
+
+def _folder_task(files: Mapping[str, bytes], prefix: str, top: str) -> TerminalTask:
+    base = f"{prefix}{top}/"
+    members = {p[len(base) :]: d for p, d in files.items() if p.startswith(base)}
+    try:
+        return load_task_files(top, members)
+    except TaskFormatError as exc:
+        if exc.field == "name":
+            raise
+        raise TaskFormatError(
+            f"task {top!r}: {exc}", file=f"{top}/{exc.file}" if exc.file else top, field=exc.field
+        ) from exc
+
+
+def _single_top_task(files: Mapping[str, bytes], prefix: str) -> TerminalTask:
+    members = {p[len(prefix) :]: d for p, d in files.items() if p.startswith(prefix)}
+    name: object = None
+    if CONFIG_FILE in members:
+        config = _parse_config(_text(members, CONFIG_FILE))
+        name = _table(config, "metadata").get("name")
+    if name is None and prefix:
+        name = prefix.rstrip("/").rsplit("/", 1)[-1]
+    if name is None:
+        raise TaskFormatError(
+            f"{CONFIG_FILE}: the task is at the archive's top level, so [metadata] name must give its name",
+            file=CONFIG_FILE,
+            field="metadata.name",
+        )
+    return load_task_files(validate_task_name(name), members)
+
+
+def _read_archive(data: bytes) -> dict[str, bytes]:
+    """Return the regular files of a tar archive by normalized path, refusing unsafe members."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
+            return _archive_files(archive)
+    except (tarfile.TarError, EOFError, OSError, ValueError, zlib.error) as exc:
+        raise TaskFormatError(f"the upload is not a readable tar archive: {exc}", file="<archive>") from exc
+
+
+def _archive_files(archive: tarfile.TarFile) -> dict[str, bytes]:
+    files: dict[str, bytes] = {}
+    total = 0
+    for count, member in enumerate(archive, 1):
+        if count > MAX_ARCHIVE_MEMBERS:
+            raise TaskFormatError(f"the archive has more than {MAX_ARCHIVE_MEMBERS} entries", file="<archive>")
+        raw_name = member.name
+        if raw_name.startswith("/"):
+            raise TaskFormatError(f"{raw_name}: absolute paths are not allowed in a task archive", file=raw_name)
+        parts = [p for p in raw_name.split("/") if p not in ("", ".")]
+        if ".." in parts:
+            raise TaskFormatError(f"{raw_name}: '..' is not allowed in a task archive path", file=raw_name)
+        if any(p in _JUNK_PARTS or p.startswith("._") for p in parts):
+            continue
+        if member.isdir() or not parts:
+            continue
+        path = "/".join(parts)
+        if member.issym() or member.islnk():
+            raise TaskFormatError(f"{path}: links are not allowed in a task archive", file=path)
+        if not member.isfile():
+            raise TaskFormatError(f"{path}: only regular files are allowed in a task archive", file=path)
+        total += member.size
+        if total > MAX_ARCHIVE_BYTES:
+            raise TaskFormatError(
+                f"{path}: the archive unpacks to more than {MAX_ARCHIVE_BYTES // (1024 * 1024)} MiB", file=path
+            )
+        if path in files:
+            raise TaskFormatError(f"{path}: the file appears twice in the archive", file=path)
+        extracted = archive.extractfile(member)
+        if extracted is None:
+            raise TaskFormatError(f"{path}: cannot read this archive entry", file=path)
+        files[path] = extracted.read()
+    return files
+
+
+__all__ = [
+    "MAX_TASK_BYTES",
+    "TerminalTask",
+    "content_hash",
+    "load_task_dir",
+    "load_task_files",
+    "task_to_tar",
+    "tasks_from_tar",
+    "validate_task_name",
+]
