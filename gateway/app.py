@@ -1,0 +1,138 @@
+"""The FastAPI app factory; everything (DB engine, migrations, runtime) is built in the lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Depends, FastAPI
+
+from gateway.auth import service as auth_service
+from gateway.auth.dependencies import require_api_key
+from gateway.db import check_database, create_engine, create_sessionmaker, redact_database_url, upgrade_database
+from gateway.environments import service as environments_service
+from gateway.environments.router import router as environments_router
+from gateway.errors import install_error_handlers
+from gateway.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
+from gateway.sandboxes.router import router as sandboxes_router
+from gateway.sessions import service as sessions_service
+from gateway.sessions.router import router as sessions_router
+from gateway.settings import Settings
+from gateway.tasks.router import router as tasks_router
+
+if TYPE_CHECKING:
+    from workers.runtime import WorkerRuntime
+
+logger = logging.getLogger(__name__)
+
+API_VERSION = "0.1.0"
+
+
+def build_runtime(settings: Settings) -> WorkerRuntime:
+    """Build the sandbox backend and the worker runtime the settings ask for (not started)."""
+    from sandboxes.backends import create_backend
+    from workers.runtime import WorkerRuntime
+
+    backend = create_backend(
+        settings.backend, node=settings.node, root_dir=settings.sandboxes_dir, docker_url=settings.docker_url
+    )
+    return WorkerRuntime(backend, image_cache_dir=settings.image_cache_dir)
+
+
+def _log_progress(line: str) -> None:
+    logger.info("image: %s", line)
+
+
+def create_app(settings: Settings | None = None, *, runtime: Any = None) -> FastAPI:
+    """Create the gateway app.
+
+    Args:
+        settings: configuration; default: read from ``FORKYARD_*`` now.
+        runtime: a worker runtime to use instead of building one from the settings.
+            The app starts it and closes its sessions at shutdown, but only closes
+            (``aclose``) a runtime it built itself.
+    """
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        url = settings.database_url
+        assert url is not None
+        try:
+            if settings.auto_migrate:
+                await asyncio.to_thread(upgrade_database, url)
+            else:
+                await asyncio.to_thread(check_database, url)
+        except Exception as exc:
+            app.state.startup_error = exc
+            raise
+        engine = create_engine(url)
+        sessionmaker = create_sessionmaker(engine)
+        app.state.settings = settings
+        app.state.engine = engine
+        app.state.sessionmaker = sessionmaker
+        app.state.runtime = None
+        rt = runtime
+        ready = False
+        try:
+            async with sessionmaker() as db_session:
+                await environments_service.ensure_default_environments(db_session=db_session)
+                if settings.bootstrap_api_key is not None:
+                    await auth_service.create_api_key(
+                        db_session=db_session, name="bootstrap", key=settings.bootstrap_api_key.get_secret_value()
+                    )
+            if rt is None:
+                rt = await asyncio.to_thread(build_runtime, settings)
+            await rt.start(progress=_log_progress)
+            async with sessionmaker() as db_session:
+                await sessions_service.recover_node(db_session=db_session, runtime=rt, node=settings.node)
+            app.state.runtime = rt
+            logger.info("gateway ready: node %s, database %s", settings.node, redact_database_url(url))
+            ready = True
+            yield
+        except Exception as exc:
+            if not ready:
+                app.state.startup_error = exc  # lets `forkyard up` say why in one line
+            raise
+        finally:
+            app.state.runtime = None
+            try:
+                if rt is not None:
+                    try:
+                        async with sessionmaker() as db_session:
+                            closed = await sessions_service.close_node_sessions(
+                                db_session=db_session, runtime=rt, node=settings.node, reason="the gateway shut down"
+                            )
+                        if closed:
+                            logger.info("closed %d open session(s) at shutdown", closed)
+                    finally:
+                        if runtime is None:
+                            await rt.aclose()
+            finally:
+                await engine.dispose()
+
+    app = FastAPI(
+        title="Forkyard",
+        version=API_VERSION,
+        description="Rollout-as-a-service gateway for agentic RL: tasks, sessions and sandboxes.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.startup_error = None
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """Answer ok while the gateway serves requests."""
+        return {"status": "ok"}
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+    for router in (environments_router, tasks_router, sessions_router, sandboxes_router):
+        v1.include_router(router)
+    app.include_router(v1)
+    return app

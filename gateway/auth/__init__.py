@@ -1,0 +1,1 @@
+"""API keys: creation, hashing at rest, and the bearer-token dependency."""

@@ -1,0 +1,79 @@
+"""Create, look up and revoke API keys; keys are random, shown once, and stored hashed."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.auth.models import ApiKey
+from gateway.db import new_id, utcnow
+from gateway.settings import API_KEY_PREFIX
+
+logger = logging.getLogger(__name__)
+
+#: Characters of a key kept in clear (``fy_`` + 6) so operators can tell keys apart.
+DISPLAY_PREFIX_LEN = len(API_KEY_PREFIX) + 6
+
+
+@dataclass(frozen=True)
+class CreatedApiKey:
+    """A key just created: the secret exists only here and is never stored."""
+
+    id: str
+    name: str
+    key: str
+
+
+def generate_api_key() -> str:
+    """Return a new random API key ``fy_<43 urlsafe chars>`` (256 bits)."""
+    return API_KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_api_key(key: str) -> str:
+    """Return the hex SHA-256 of ``key``; enough for high-entropy random keys."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+async def create_api_key(*, db_session: AsyncSession, name: str = "", key: str | None = None) -> CreatedApiKey:
+    """Store a new key (or ``key`` if given and not yet known) and return it with its secret."""
+    key = key or generate_api_key()
+    digest = hash_api_key(key)
+    existing = await db_session.scalar(select(ApiKey).where(ApiKey.hash == digest))
+    if existing is not None:
+        return CreatedApiKey(id=existing.id, name=existing.name, key=key)
+    row = ApiKey(id=new_id("key"), name=name, prefix=key[:DISPLAY_PREFIX_LEN], hash=digest, created_at=utcnow())
+    db_session.add(row)
+    await db_session.commit()
+    logger.info("created API key %s (%s...)", row.id, row.prefix)
+    return CreatedApiKey(id=row.id, name=row.name, key=key)
+
+
+async def authenticate(*, db_session: AsyncSession, key: str) -> ApiKey | None:
+    """Return the live (not revoked) key matching ``key``, or None."""
+    if not key.startswith(API_KEY_PREFIX):
+        return None
+    row = await db_session.scalar(select(ApiKey).where(ApiKey.hash == hash_api_key(key)))
+    if row is None or row.revoked_at is not None:
+        return None
+    return row
+
+
+async def list_api_keys(*, db_session: AsyncSession) -> list[ApiKey]:
+    """Return every key (revoked ones included), oldest first."""
+    return list((await db_session.scalars(select(ApiKey).order_by(ApiKey.created_at, ApiKey.id))).all())
+
+
+async def revoke_api_key(*, db_session: AsyncSession, key_id: str) -> bool:
+    """Revoke the key with id ``key_id``; return False if there is no such key."""
+    row = await db_session.get(ApiKey, key_id)
+    if row is None:
+        return False
+    if row.revoked_at is None:
+        row.revoked_at = utcnow()
+        await db_session.commit()
+    return True

@@ -1,0 +1,367 @@
+"""The ``forkyard`` command line: run the embedded gateway, build images, manage keys, import tasks.
+
+Exit codes: 0 success, 1 a failure while running, 2 bad input (arguments, paths, task files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from pydantic import SecretStr, ValidationError
+
+from gateway.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+#: File in the data dir holding the embedded gateway's API key (mode 0600).
+API_KEY_FILE = "api_key"
+TASK_MARKERS = ("task.toml", "instruction.md")
+
+
+class CLIError(Exception):
+    """A failure reported as ``forkyard: error: <message>`` with an exit code."""
+
+    def __init__(self, message: str, *, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _settings(**overrides: Any) -> Settings:
+    """Build settings from the environment plus the options given on the command line."""
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+        raise CLIError(f"invalid configuration: {problems}", exit_code=2) from exc
+
+
+# --------------------------------------------------------------------------- up
+
+
+def load_or_create_key_file(path: Path) -> str:
+    """Return the API key stored at ``path``, creating it (mode 0600) on first use."""
+    from gateway.auth.service import generate_api_key
+    from gateway.settings import API_KEY_PREFIX
+
+    if path.exists():
+        key = path.read_text().strip()
+        if not key.startswith(API_KEY_PREFIX):
+            raise CLIError(f"{path} does not hold a Forkyard API key; remove it to get a new one", exit_code=2)
+        return key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = generate_api_key()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    return key
+
+
+def _uvicorn_server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, minus re-raising the stop signal after a clean shutdown."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in originals.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+async def _serve(server: Any, host: str, key: str) -> bool:
+    """Run ``server``; print the URL and key once it listens; return whether it ever started."""
+    async def serve() -> None:
+        try:
+            await server.serve()
+        except SystemExit:  # uvicorn exits this way when startup fails
+            pass
+
+    task = asyncio.create_task(serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        port = server.config.port
+        if server.servers and server.servers[0].sockets:
+            port = server.servers[0].sockets[0].getsockname()[1]
+        display_host = f"[{host}]" if ":" in host else host
+        sys.stdout.write(f"FORKYARD_URL=http://{display_host}:{port}\nFORKYARD_API_KEY={key}\n")
+        sys.stdout.flush()
+    await task
+    return bool(server.started)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Run the embedded gateway: API + in-process worker + SQLite + the best sandbox backend."""
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.logs import configure_logging
+
+    configure_logging(args.log_level.upper())
+    settings = _settings(data_dir=args.data_dir, backend=args.backend)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    key = load_or_create_key_file(settings.data_dir / API_KEY_FILE)
+    settings = settings.model_copy(update={"bootstrap_api_key": SecretStr(key)})
+    _stderr(f"forkyard: starting the gateway on {args.host}:{args.port} (data dir {settings.data_dir}, "
+            f"backend {settings.backend}); the base image is built on first start, which takes a few minutes")
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_config=None, access_log=False, lifespan="on",
+        timeout_graceful_shutdown=30,
+    )
+    server = _uvicorn_server_class()(config)
+    started = asyncio.run(_serve(server, args.host, key))
+    if not started:
+        reason = app.state.startup_error
+        raise CLIError(f"the gateway did not start: {reason}" if reason else "the gateway did not start; see the log")
+    _stderr("forkyard: stopped")
+    return 0
+
+
+# --------------------------------------------------------------------------- images
+
+
+def cmd_images_build(args: argparse.Namespace) -> int:
+    """Build an image (only ``base``) and import it into the chosen backend(s)."""
+    from gateway.logs import configure_logging
+
+    configure_logging("WARNING")
+    overrides: dict[str, Any] = {"data_dir": args.data_dir, "image_cache_dir": args.cache_dir}
+    if args.backend != "all":
+        overrides["backend"] = args.backend
+    settings = _settings(**overrides)
+    kinds = ["local", "docker"] if args.backend == "all" else [settings.backend]
+    return asyncio.run(_build_base(settings, kinds))
+
+
+async def _build_base(settings: Settings, kinds: Sequence[str]) -> int:
+    from sandboxes.backends import create_backend
+    from sandboxes.errors import SandboxError
+    from sandboxes.images import ensure_base_image
+
+    progress: Callable[[str], None] = lambda line: _stderr(f"  {line}")  # noqa: E731
+    for kind in kinds:
+        try:
+            backend = create_backend(kind, node=settings.node, root_dir=settings.sandboxes_dir,
+                                     docker_url=settings.docker_url)
+        except SandboxError as exc:
+            raise CLIError(f"backend {kind!r} is not usable here: {exc}") from exc
+        try:
+            _stderr(f"forkyard: ensuring the base image for the {backend.name} backend "
+                    f"(cache {settings.image_cache_dir})")
+            ref = await ensure_base_image(backend, settings.image_cache_dir, progress=progress)
+        except SandboxError as exc:
+            raise CLIError(f"building the base image for {backend.name} failed: {exc}") from exc
+        finally:
+            await backend.aclose()
+        print(f"{backend.name}  {ref}", flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- keys
+
+
+async def _with_db(settings: Settings, fn: Callable[[Any], Any]) -> Any:
+    from gateway.db import create_engine, create_sessionmaker, upgrade_database
+
+    assert settings.database_url is not None
+    await asyncio.to_thread(upgrade_database, settings.database_url)
+    engine = create_engine(settings.database_url)
+    try:
+        async with create_sessionmaker(engine)() as db_session:
+            return await fn(db_session)
+    finally:
+        await engine.dispose()
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    """Create an API key and print it (it is shown only this once)."""
+    from gateway.auth.service import create_api_key
+
+    settings = _settings(data_dir=args.data_dir)
+    created = asyncio.run(_with_db(settings, lambda db: create_api_key(db_session=db, name=args.name)))
+    _stderr(f"forkyard: created API key {created.id}{f' ({created.name})' if created.name else ''}; "
+            "it is shown only once, store it now")
+    print(created.key, flush=True)
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    """List API keys (id, prefix, name, created, revoked); secrets are never shown."""
+    from gateway.auth.service import list_api_keys
+
+    settings = _settings(data_dir=args.data_dir)
+    rows = asyncio.run(_with_db(settings, lambda db: list_api_keys(db_session=db)))
+    for row in rows:
+        revoked = f"revoked {row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "active"
+        print(f"{row.id}  {row.prefix}...  {row.created_at:%Y-%m-%d %H:%M}  {revoked}  {row.name}")
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    """Revoke an API key by id."""
+    from gateway.auth.service import revoke_api_key
+
+    settings = _settings(data_dir=args.data_dir)
+    if not asyncio.run(_with_db(settings, lambda db: revoke_api_key(db_session=db, key_id=args.key_id))):
+        raise CLIError(f"no API key has id {args.key_id!r}", exit_code=2)
+    _stderr(f"forkyard: revoked {args.key_id}")
+    return 0
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def find_task_dirs(path: Path) -> list[Path]:
+    """Return ``path`` if it is a task dir, else its child task dirs; raise CLIError if there are none."""
+    if not path.is_dir():
+        raise CLIError(f"{path} is not a directory", exit_code=2)
+    if any((path / marker).is_file() for marker in TASK_MARKERS):
+        return [path]
+    found = sorted(p for p in path.iterdir() if p.is_dir() and any((p / m).is_file() for m in TASK_MARKERS))
+    if not found:
+        raise CLIError(f"{path} holds no task (no task.toml or instruction.md in it or in a folder of it)",
+                       exit_code=2)
+    return found
+
+
+def _describe_http_error(response: Any) -> str:
+    try:
+        error = response.json()["error"]
+        return f"{error['message']} ({error['code']}, HTTP {response.status_code}, request {error['request_id']})"
+    except Exception:
+        return f"HTTP {response.status_code}: {response.text[:300]}"
+
+
+def cmd_tasks_import(args: argparse.Namespace) -> int:
+    """Validate task dirs locally, upload each as a tar.gz, print ``task_id  name`` per task."""
+    import httpx
+
+    from workers.errors import TaskFormatError
+    from workers.tasks import load_task_dir, task_to_tar
+
+    url = args.url or os.environ.get("FORKYARD_URL")
+    key = args.api_key or os.environ.get("FORKYARD_API_KEY")
+    if not url:
+        raise CLIError("no gateway: set FORKYARD_URL (printed by `forkyard up`) or pass --url", exit_code=2)
+    if not key:
+        raise CLIError("no API key: set FORKYARD_API_KEY or pass --api-key", exit_code=2)
+    tasks = []
+    for arg in args.dirs:
+        for task_dir in find_task_dirs(Path(arg)):
+            try:
+                tasks.append(load_task_dir(task_dir))
+            except TaskFormatError as exc:
+                raise CLIError(f"{task_dir}: {exc}", exit_code=2) from exc
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/gzip"}
+    try:
+        with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=args.timeout) as client:
+            for task in tasks:
+                response = client.post("/v1/tasks", params={"environment": args.environment},
+                                       content=task_to_tar(task))
+                if response.status_code != 201:
+                    code = 2 if 400 <= response.status_code < 500 and response.status_code not in (401, 429) else 1
+                    raise CLIError(f"importing {task.name} failed: {_describe_http_error(response)}", exit_code=code)
+                for item in response.json()["items"]:
+                    print(f"{item['id']}  {item['name']}", flush=True)
+    except httpx.HTTPError as exc:
+        raise CLIError(f"cannot reach the gateway at {url}: {exc}") from exc
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of ``forkyard``."""
+    parser = argparse.ArgumentParser(prog="forkyard", description="Forkyard: rollout-as-a-service for agentic RL.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run the embedded gateway (API + worker + SQLite) on this machine")
+    up.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    up.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    up.add_argument("--data-dir", type=Path,
+                    help="where the database, API key and sandboxes live (default ./.forkyard)")
+    up.add_argument("--backend", choices=["auto", "docker", "local"],
+                    help="sandbox backend (default auto: docker if an engine answers, else local)")
+    up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    up.set_defaults(func=cmd_up)
+
+    images = sub.add_parser("images", help="build sandbox images").add_subparsers(
+        dest="images_command", required=True, metavar="COMMAND")
+    build = images.add_parser("build", help="build an image and import it into the backend(s)")
+    build.add_argument("name", choices=["base"], help="the image to build (only 'base' for now)")
+    build.add_argument("--backend", choices=["auto", "docker", "local", "all"], default="auto",
+                       help="backend(s) to import it into (default auto)")
+    build.add_argument("--data-dir", type=Path, help="data dir (the local backend keeps its images there)")
+    build.add_argument("--cache-dir", type=Path, help="root filesystem cache (default /var/cache/forkyard/images)")
+    build.set_defaults(func=cmd_images_build)
+
+    keys = sub.add_parser("keys", help="manage API keys").add_subparsers(
+        dest="keys_command", required=True, metavar="COMMAND")
+    create = keys.add_parser("create", help="create an API key and print it once")
+    create.add_argument("--name", default="", help="a label for the key")
+    create.add_argument("--data-dir", type=Path, help="data dir of the gateway (or set FORKYARD_DATABASE_URL)")
+    create.set_defaults(func=cmd_keys_create)
+    listing = keys.add_parser("list", help="list API keys (never their secrets)")
+    listing.add_argument("--data-dir", type=Path)
+    listing.set_defaults(func=cmd_keys_list)
+    revoke = keys.add_parser("revoke", help="revoke an API key by id")
+    revoke.add_argument("key_id")
+    revoke.add_argument("--data-dir", type=Path)
+    revoke.set_defaults(func=cmd_keys_revoke)
+
+    tasks = sub.add_parser("tasks", help="manage tasks on a running gateway").add_subparsers(
+        dest="tasks_command", required=True, metavar="COMMAND")
+    imp = tasks.add_parser("import", help="import task dirs (or dirs of task dirs) into the gateway at FORKYARD_URL")
+    imp.add_argument("dirs", nargs="+", metavar="DIR")
+    imp.add_argument("--environment", default="terminal", help="environment of the tasks (default terminal)")
+    imp.add_argument("--url", help="gateway URL (default $FORKYARD_URL)")
+    imp.add_argument("--api-key", help="API key (default $FORKYARD_API_KEY)")
+    imp.add_argument("--timeout", type=float, default=120.0, help="seconds per upload (default 120)")
+    imp.set_defaults(func=cmd_tasks_import)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``forkyard``; return its exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CLIError as exc:
+        _stderr(f"forkyard: error: {exc}")
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _entry() -> NoReturn:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    _entry()

@@ -1,0 +1,34 @@
+"""FastAPI dependencies for what the lifespan built: DB sessions, settings and the worker runtime."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.db import get_db_session
+from gateway.errors import UnavailableError
+from gateway.settings import Settings
+from workers.runtime import WorkerRuntime
+
+
+def get_settings(request: Request) -> Settings:
+    """Return the settings the app was created with."""
+    return request.app.state.settings
+
+
+def get_runtime(request: Request) -> WorkerRuntime:
+    """Return the worker runtime; answer 503 if the gateway has none running."""
+    runtime = getattr(request.app.state, "runtime", None)
+    if runtime is None:
+        raise UnavailableError("No worker runtime is running on this gateway.")
+    return runtime
+
+
+DbSession = Annotated[AsyncSession, Depends(get_db_session)]
+"""A database session for one request."""
+Runtime = Annotated[WorkerRuntime, Depends(get_runtime)]
+"""The worker runtime the lifespan started."""
+CurrentSettings = Annotated[Settings, Depends(get_settings)]
+"""The app's settings."""

@@ -1,0 +1,1 @@
+"""Environments: an environment family plus version; tasks belong to one."""

@@ -1,0 +1,70 @@
+"""Create, find and list environments."""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.db import new_id, utcnow
+from gateway.environments.models import Environment, EnvironmentFamily
+from gateway.environments.schemas import EnvironmentCreate
+from gateway.errors import ConflictError, NotFoundError
+from gateway.pagination import page_of, paginate
+
+logger = logging.getLogger(__name__)
+
+#: The environment every gateway has; terminal tasks land here unless told otherwise.
+DEFAULT_ENVIRONMENT = EnvironmentCreate(
+    name="terminal", family=EnvironmentFamily.TERMINAL, version="1",
+    description="Terminal tasks (Harbor/Terminal-Bench style task directories) driven through bash and submit.",
+)
+
+
+async def create_environment(*, db_session: AsyncSession, spec: EnvironmentCreate) -> Environment:
+    """Create an environment; raise ConflictError if the name is taken."""
+    row = Environment(
+        id=new_id("env"), name=spec.name, family=spec.family, version=spec.version,
+        description=spec.description, created_at=utcnow(),
+    )
+    db_session.add(row)
+    try:
+        await db_session.commit()
+    except IntegrityError as exc:
+        await db_session.rollback()
+        raise ConflictError(f"An environment named {spec.name!r} already exists.") from exc
+    return row
+
+
+async def ensure_default_environments(*, db_session: AsyncSession) -> None:
+    """Create the default ``terminal`` environment if it is missing."""
+    if await get_environment_by_name(db_session=db_session, name=DEFAULT_ENVIRONMENT.name) is None:
+        try:
+            await create_environment(db_session=db_session, spec=DEFAULT_ENVIRONMENT)
+        except ConflictError:
+            pass  # another gateway created it at the same time
+
+
+async def get_environment(*, db_session: AsyncSession, environment_id: str) -> Environment:
+    """Return the environment with this id; raise NotFoundError if there is none."""
+    row = await db_session.get(Environment, environment_id)
+    if row is None:
+        raise NotFoundError(f"Environment {environment_id!r} does not exist.")
+    return row
+
+
+async def get_environment_by_name(*, db_session: AsyncSession, name: str) -> Environment | None:
+    """Return the environment named ``name`` or None."""
+    return await db_session.scalar(select(Environment).where(Environment.name == name))
+
+
+async def list_environments(
+    *, db_session: AsyncSession, limit: int, cursor: str | None = None
+) -> tuple[list[Environment], str | None]:
+    """Return one page of environments, oldest first, and the next cursor."""
+    stmt = paginate(select(Environment), created_at=Environment.created_at, id_=Environment.id,
+                    cursor=cursor, limit=limit)
+    rows = list((await db_session.scalars(stmt)).all())
+    return page_of(rows, limit=limit)

@@ -1,0 +1,1 @@
+"""Sessions: gym-like handles on a sandbox (open, step, close) driven by the caller."""

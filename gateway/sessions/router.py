@@ -1,0 +1,76 @@
+"""``/v1/sessions`` routes: open, step, read, list, close."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Response
+
+from gateway.dependencies import CurrentSettings, DbSession, Runtime
+from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
+from gateway.sessions import service
+from gateway.sessions.models import SessionState
+from gateway.sessions.schemas import (
+    SessionCreate,
+    SessionCreated,
+    SessionPage,
+    SessionRead,
+    SessionStep,
+    StepRead,
+)
+
+router = APIRouter(prefix="/sessions", tags=["sessions"])
+
+
+@router.post("", status_code=201, response_model=SessionCreated)
+async def open_session(
+    body: SessionCreate, db_session: DbSession, runtime: Runtime, settings: CurrentSettings
+):
+    """Open a session on a task; answers its first observation and tools."""
+    row, opened = await service.open_session(
+        db_session=db_session, runtime=runtime, task_id=body.task_id, node=settings.node,
+        max_open=settings.sessions.max_open,
+    )
+    return SessionCreated(
+        id=row.id, task_id=row.task_id, state=row.state, observation=opened.observation, tools=opened.tools,
+        sandbox_id=row.sandbox_id, created_at=row.created_at,
+    )
+
+
+@router.post("/{session_id}/step", response_model=StepRead)
+async def step_session(
+    session_id: str, body: SessionStep, db_session: DbSession, runtime: Runtime
+):
+    """Apply one action (a tool call) and answer the observation, reward and end flags."""
+    result = await service.step_session(
+        db_session=db_session, runtime=runtime, session_id=session_id,
+        tool=body.action.tool, arguments=body.action.arguments,
+    )
+    return StepRead(observation=result.observation, reward=result.reward, terminated=result.terminated,
+                    truncated=result.truncated, info=result.info)
+
+
+@router.get("", response_model=SessionPage)
+async def list_sessions(
+    db_session: DbSession,
+    state: SessionState | None = None,
+    task_id: str | None = None,
+    limit: int = Query(DEFAULT_LIMIT, ge=1, le=MAX_LIMIT),
+    cursor: str | None = None,
+):
+    """List sessions, oldest first, optionally of one state or task."""
+    rows, next_cursor = await service.list_sessions(
+        db_session=db_session, state=state, task_id=task_id or None, limit=limit, cursor=cursor
+    )
+    return SessionPage(items=[SessionRead.model_validate(r) for r in rows], next=next_cursor)
+
+
+@router.get("/{session_id}", response_model=SessionRead)
+async def get_session(session_id: str, db_session: DbSession):
+    """Return the gateway's record of one session."""
+    return await service.get_session(db_session=db_session, session_id=session_id)
+
+
+@router.delete("/{session_id}", status_code=204, response_class=Response)
+async def close_session(session_id: str, db_session: DbSession, runtime: Runtime):
+    """Close the session and destroy its sandbox (idempotent)."""
+    await service.close_session(db_session=db_session, runtime=runtime, session_id=session_id)
+    return Response(status_code=204)

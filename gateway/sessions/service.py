@@ -1,0 +1,248 @@
+"""Open, step, close and recover sessions; the runtime does the work, the DB keeps the record.
+
+No database transaction stays open while the runtime works (a step can take minutes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+from sqlalchemy import func, select, true, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.db import new_id, utcnow
+from gateway.errors import ConflictError, NotFoundError, RateLimitedError
+from gateway.pagination import page_of, paginate
+from gateway.sandboxes.models import Sandbox
+from gateway.sessions.models import EnvSession, SessionState
+from gateway.tasks.service import get_task, load_terminal_task
+from sandboxes.base import SandboxState
+from sandboxes.errors import SandboxCrashedError, SandboxNotFoundError
+from workers.errors import SessionClosedError, SessionNotFoundError
+
+if TYPE_CHECKING:
+    from workers.runtime import SessionOpened, StepResult, WorkerRuntime
+
+logger = logging.getLogger(__name__)
+
+#: Label holding the id of the task a sandbox runs (the runtime sets LABEL_OWNER = session id
+#: and "forkyard.task" = task name).
+LABEL_TASK_ID = "forkyard.task_id"
+#: Longest error text kept on a session row.
+MAX_ERROR_CHARS = 2000
+
+
+def _error_text(exc: BaseException | str) -> str:
+    text = exc if isinstance(exc, str) else (str(exc) or type(exc).__name__)
+    return text[:MAX_ERROR_CHARS]
+
+
+async def get_session(*, db_session: AsyncSession, session_id: str) -> EnvSession:
+    """Return the session with this id; raise NotFoundError if there is none."""
+    row = await db_session.get(EnvSession, session_id)
+    if row is None:
+        raise NotFoundError(f"Session {session_id!r} does not exist.")
+    return row
+
+
+async def list_sessions(
+    *, db_session: AsyncSession, state: SessionState | None = None, task_id: str | None = None,
+    limit: int, cursor: str | None = None,
+) -> tuple[list[EnvSession], str | None]:
+    """Return one page of sessions, oldest first, optionally of one state or task."""
+    stmt = select(EnvSession)
+    if state is not None:
+        stmt = stmt.where(EnvSession.state == state)
+    if task_id is not None:
+        stmt = stmt.where(EnvSession.task_id == task_id)
+    stmt = paginate(stmt, created_at=EnvSession.created_at, id_=EnvSession.id, cursor=cursor, limit=limit)
+    rows = list((await db_session.scalars(stmt)).all())
+    return page_of(rows, limit=limit)
+
+
+async def count_open_sessions(*, db_session: AsyncSession, node: str) -> int:
+    """Return how many sessions are open on ``node``."""
+    stmt = select(func.count()).select_from(EnvSession).where(
+        EnvSession.node == node, EnvSession.state == SessionState.OPEN
+    )
+    return int(await db_session.scalar(stmt) or 0)
+
+
+async def open_session(
+    *, db_session: AsyncSession, runtime: WorkerRuntime, task_id: str, node: str, max_open: int
+) -> tuple[EnvSession, SessionOpened]:
+    """Open a session on a task: record it, have the runtime start its sandbox, record the sandbox.
+
+    Raises:
+        NotFoundError: no such task.
+        RateLimitedError: ``max_open`` sessions are already open on this node.
+    """
+    task = await get_task(db_session=db_session, task_id=task_id)
+    if await count_open_sessions(db_session=db_session, node=node) >= max_open:
+        raise RateLimitedError(
+            f"This gateway node already runs {max_open} open sessions (its limit); close one and retry."
+        )
+    # The row exists (state open) before any sandbox does, so a restart's reaper keeps its sandbox.
+    row = EnvSession(id=new_id("sess"), task_id=task.id, state=SessionState.OPEN, node=node, steps=0,
+                     created_at=utcnow())
+    db_session.add(row)
+    await db_session.commit()
+    try:
+        terminal_task = await load_terminal_task(task)
+        opened = await runtime.open_session(row.id, terminal_task, labels={LABEL_TASK_ID: task.id})
+    except Exception as exc:
+        logger.warning("session %s on task %s failed to open: %s", row.id, task.id, exc)
+        await _finish(db_session, row.id, SessionState.FAILED, error=_error_text(exc))
+        try:
+            await runtime.close_session(row.id)
+        except Exception:
+            logger.exception("session %s: closing after a failed open also failed", row.id)
+        raise
+    sandbox = opened.sandbox
+    row.sandbox_id = sandbox.id
+    row.backend = sandbox.backend
+    db_session.add(Sandbox(
+        id=sandbox.id, node=sandbox.node, backend=sandbox.backend, state=sandbox.state, session_id=row.id,
+        task_id=task.id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC),
+    ))
+    await db_session.commit()
+    logger.info("session %s opened on task %s in sandbox %s (%s)", row.id, task.id, sandbox.id, sandbox.backend)
+    return row, opened
+
+
+async def step_session(
+    *, db_session: AsyncSession, runtime: WorkerRuntime, session_id: str, tool: str, arguments: dict
+) -> StepResult:
+    """Apply one action; a terminated or truncated result ends the session and frees its sandbox.
+
+    Raises:
+        NotFoundError: no such session.
+        ConflictError: the session is not open (code ``session_closed``).
+        ActionError: unknown tool or bad arguments; the session stays open.
+    """
+    row = await get_session(db_session=db_session, session_id=session_id)
+    if row.state != SessionState.OPEN:
+        raise ConflictError(f"Session {session_id!r} is {row.state.value} and takes no more steps.",
+                            code="session_closed")
+    await db_session.commit()  # end the read transaction before a step that may take minutes
+    try:
+        result = await runtime.step(session_id, tool, arguments)
+    except SessionClosedError:
+        await _finish(db_session, session_id, SessionState.CLOSED, error="the worker had already ended the session")
+        await _release(runtime, session_id)
+        raise
+    except SessionNotFoundError as exc:
+        await _finish(db_session, session_id, SessionState.FAILED,
+                      error="the worker does not know the session (it restarted or lost the sandbox)")
+        await _release(runtime, session_id)
+        raise ConflictError(
+            f"Session {session_id!r} is no longer live on its worker (it restarted or lost the sandbox); "
+            "it is marked failed.", code="session_closed",
+        ) from exc
+    except (SandboxCrashedError, SandboxNotFoundError) as exc:
+        await _finish(db_session, session_id, SessionState.FAILED, error=_error_text(exc))
+        await _release(runtime, session_id)
+        raise
+    await db_session.execute(
+        update(EnvSession).where(EnvSession.id == session_id).values(steps=EnvSession.steps + 1)
+    )
+    await db_session.commit()
+    if result.reward is not None and not math.isfinite(result.reward):
+        logger.warning("session %s: non-finite reward %r reported; answering null", session_id, result.reward)
+        result = dataclasses.replace(result, reward=None)
+    if result.terminated or result.truncated:
+        await _finish(db_session, session_id, SessionState.TERMINATED, reward=result.reward)
+        await _release(runtime, session_id)
+        logger.info("session %s ended with reward %s (truncated=%s)", session_id, result.reward, result.truncated)
+    return result
+
+
+async def close_session(*, db_session: AsyncSession, runtime: WorkerRuntime, session_id: str) -> EnvSession:
+    """Close a session and destroy its sandbox; closing an ended session again is a no-op."""
+    row = await get_session(db_session=db_session, session_id=session_id)
+    await db_session.commit()
+    await runtime.close_session(session_id)
+    await _finish(db_session, session_id, SessionState.CLOSED)
+    await db_session.refresh(row)
+    return row
+
+
+async def close_node_sessions(*, db_session: AsyncSession, runtime: WorkerRuntime, node: str, reason: str) -> int:
+    """Close every session still open on ``node`` (at shutdown); return how many."""
+    ids = await _open_session_ids(db_session, node)
+    for session_id in ids:
+        try:
+            await runtime.close_session(session_id)
+        except Exception:
+            logger.exception("session %s: closing at shutdown failed", session_id)
+        await _finish(db_session, session_id, SessionState.CLOSED, error=reason)
+    return len(ids)
+
+
+async def recover_node(*, db_session: AsyncSession, runtime: WorkerRuntime, node: str) -> None:
+    """Reap every sandbox of ``node`` and fail its sessions still open (at startup, after a crash).
+
+    A new runtime holds no environment state (shell channels, agent clocks), so a session
+    open before the restart cannot be resumed: it ends ``failed`` with the reason, and its
+    sandbox is destroyed rather than leaked.
+    """
+    open_ids = await _open_session_ids(db_session, node)
+    await db_session.commit()
+    reaped = await runtime.reap(keep_owner_ids=set())
+    if reaped:
+        logger.info("reaped %d orphan sandbox(es) on node %s: %s", len(reaped), node, ", ".join(reaped))
+    for session_id in open_ids:
+        await _finish(db_session, session_id, SessionState.FAILED,
+                      error="the gateway restarted while the session was open; its sandbox was reaped")
+    if open_ids:
+        logger.warning("marked %d session(s) failed after a restart: %s", len(open_ids), ", ".join(open_ids))
+    await db_session.execute(
+        update(Sandbox)
+        .where(Sandbox.node == node, Sandbox.gone_at.is_(None))
+        .values(state=SandboxState.GONE, gone_at=utcnow())
+    )
+    await db_session.commit()
+
+
+async def _open_session_ids(db_session: AsyncSession, node: str) -> list[str]:
+    stmt = select(EnvSession.id).where(EnvSession.node == node, EnvSession.state == SessionState.OPEN)
+    return list((await db_session.scalars(stmt)).all())
+
+
+async def _finish(
+    db_session: AsyncSession, session_id: str, state: SessionState, *,
+    error: str | None = None, reward: float | None = None,
+) -> None:
+    """Move an open session to ``state`` and mark its sandboxes gone (no-op if it is not open)."""
+    now = utcnow()
+    values: dict = {"state": state, "closed_at": now}
+    if error is not None:
+        values["error"] = error
+    if reward is not None:
+        values["reward"] = reward
+    await db_session.execute(
+        update(EnvSession).where(EnvSession.id == session_id, EnvSession.state == SessionState.OPEN).values(**values)
+    )
+    await _mark_sandboxes_gone(db_session, [session_id], now)
+    await db_session.commit()
+
+
+async def _mark_sandboxes_gone(db_session: AsyncSession, session_ids: Iterable[str], now: datetime) -> None:
+    await db_session.execute(
+        update(Sandbox)
+        .where(Sandbox.session_id.in_(list(session_ids)), Sandbox.gone_at.is_(None))
+        .values(state=SandboxState.GONE, gone_at=now)
+    )
+
+
+async def _release(runtime: WorkerRuntime, session_id: str) -> None:
+    """Have the runtime close the session (destroying its sandbox), logging rather than raising."""
+    try:
+        await runtime.close_session(session_id)
+    except Exception:
+        logger.exception("session %s: closing in the runtime failed", session_id)

@@ -1,0 +1,90 @@
+"""Gateway configuration, read from ``FORKYARD_*`` environment variables when built."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: Where base root filesystems are built and cached unless configured otherwise.
+DEFAULT_IMAGE_CACHE_DIR = Path("/var/cache/forkyard/images")
+#: Every API key starts with this; it also lets the log filter find keys to redact.
+API_KEY_PREFIX = "fy_"
+
+
+class SessionLimits(BaseModel):
+    """Limits on the sessions one gateway node runs at once."""
+
+    max_open: int = Field(default=64, ge=1)
+    """Most sessions open at the same time on this node; more are refused with 429."""
+
+
+class Settings(BaseSettings):
+    """Everything the gateway and ``forkyard up`` need; built by the caller, never at import."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FORKYARD_",
+        env_nested_delimiter="__",
+        extra="ignore",
+        populate_by_name=True,
+    )
+
+    data_dir: Path = Path(".forkyard")
+    """Directory for the SQLite database, the API key file and local sandboxes."""
+
+    database_url: str | None = None
+    """SQLAlchemy URL (sqlite:///... or postgresql://...); default: SQLite at ``data_dir/forkyard.db``."""
+
+    auto_migrate: bool = True
+    """Run ``alembic upgrade head`` at startup; when false, refuse to start unless the DB is at head."""
+
+    backend: Literal["auto", "docker", "local"] = "auto"
+    """Sandbox backend: ``docker``, ``local`` (namespaces + overlayfs) or ``auto`` (docker if an engine answers)."""
+
+    node: str = Field(default_factory=socket.gethostname)
+    """Name of this node; sandboxes and sessions are stamped with it."""
+
+    image_cache_dir: Path = Field(
+        default=DEFAULT_IMAGE_CACHE_DIR,
+        validation_alias=AliasChoices("FORKYARD_IMAGE_CACHE_DIR", "FORKYARD_IMAGE_CACHE"),
+    )
+    """Cache of base root filesystems (``FORKYARD_IMAGE_CACHE_DIR`` or ``FORKYARD_IMAGE_CACHE``)."""
+
+    docker_url: str | None = None
+    """Docker Engine URL (e.g. unix:///var/run/docker.sock); default: DOCKER_HOST or the default socket."""
+
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    """Largest request body accepted (task archives included); bigger ones get 413."""
+
+    dev_mode: bool = False
+    """Relax safety checks for local development (e.g. allow a short bootstrap API key)."""
+
+    bootstrap_api_key: SecretStr | None = None
+    """An API key (``fy_...``) to make valid at startup, for deployments that configure the key up front."""
+
+    sessions: SessionLimits = Field(default_factory=SessionLimits)
+    """Session limits (``FORKYARD_SESSIONS__MAX_OPEN``)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        # Fix relative paths now: the local backend mounts under data_dir, where cwd no longer counts.
+        self.data_dir = self.data_dir.expanduser().absolute()
+        self.image_cache_dir = self.image_cache_dir.expanduser().absolute()
+        if self.database_url is None:
+            self.database_url = f"sqlite:///{self.data_dir / 'forkyard.db'}"
+        if self.bootstrap_api_key is not None:
+            key = self.bootstrap_api_key.get_secret_value()
+            if not key.startswith(API_KEY_PREFIX):
+                raise ValueError(f"bootstrap_api_key must start with {API_KEY_PREFIX!r}")
+            if len(key) < 32 and not self.dev_mode:
+                raise ValueError("bootstrap_api_key is too short (under 32 characters); use `forkyard keys create` "
+                                 "or set dev_mode for a throwaway key")
+        return self
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        """Return the root directory of the local backend's sandboxes."""
+        return self.data_dir / "sandboxes"

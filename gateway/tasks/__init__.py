@@ -1,0 +1,1 @@
+"""Tasks: content-hashed task instances of an environment, stored as archives."""

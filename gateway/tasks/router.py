@@ -1,0 +1,129 @@
+"""``/v1/tasks`` routes: import (tar, multipart or JSON), list, get."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Query, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from gateway.dependencies import DbSession
+from gateway.errors import BadRequestError, UnsupportedMediaTypeError
+from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
+from gateway.tasks import service
+from gateway.tasks.schemas import TaskImport, TaskList, TaskPage, TaskRead
+from workers.tasks import TerminalTask, load_task_files, tasks_from_tar
+
+router = APIRouter(prefix="/tasks", tags=["tasks"])
+
+#: Content types read as a (possibly compressed) tar archive.
+TAR_TYPES = frozenset({
+    "application/x-tar", "application/tar", "application/gzip", "application/x-gzip", "application/x-gtar",
+    "application/x-compressed-tar", "application/octet-stream",
+})
+
+def _inline_schema(model: type) -> dict:
+    """Return the model's JSON schema with its ``$defs`` inlined (OpenAPI has no room for them)."""
+    schema = model.model_json_schema()  # type: ignore[attr-defined]
+    defs = schema.pop("$defs", {})
+
+    def resolve(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {k: resolve(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    return resolve(schema)
+
+
+_IMPORT_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "A tar(.gz) of one or more task dirs, a multipart upload of such archives, "
+                       "or a JSON list of specs.",
+        "content": {
+            "application/json": {"schema": _inline_schema(TaskImport)},
+            "application/gzip": {"schema": {"type": "string", "format": "binary"}},
+            "application/x-tar": {"schema": {"type": "string", "format": "binary"}},
+            "multipart/form-data": {
+                "schema": {"type": "object", "properties": {"file": {"type": "string", "format": "binary"}}}
+            },
+        },
+    }
+}
+
+
+async def _tasks_from_archive(data: bytes) -> list[TerminalTask]:
+    return await asyncio.to_thread(tasks_from_tar, data)
+
+
+async def _parse_import(request: Request, environment: str) -> list[tuple[str, TerminalTask]]:
+    """Read the upload in whichever of the three forms it came."""
+    content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if content_type == "application/json":
+        try:
+            spec = TaskImport.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from exc
+        return [
+            (item.environment, load_task_files(item.name, {path: text.encode() for path, text in item.files.items()}))
+            for item in spec.tasks
+        ]
+    if content_type in TAR_TYPES:
+        body = await request.body()
+        if not body:
+            raise BadRequestError("The request body is empty; send a tar or tar.gz of task directories.")
+        return [(environment, task) for task in await _tasks_from_archive(body)]
+    if content_type == "multipart/form-data":
+        async with request.form() as form:
+            uploads = [value for _, value in form.multi_items() if isinstance(value, UploadFile)]
+            if not uploads:
+                raise BadRequestError("The multipart upload holds no file; attach a tar or tar.gz as a file field.")
+            found: list[tuple[str, TerminalTask]] = []
+            for upload in uploads:
+                found.extend((environment, task) for task in await _tasks_from_archive(await upload.read()))
+        return found
+    raise UnsupportedMediaTypeError(
+        f"Content-Type {content_type or '(none)'!r} is not accepted; send application/json, "
+        "application/gzip, application/x-tar or multipart/form-data."
+    )
+
+
+@router.post("", status_code=201, response_model=TaskList, openapi_extra=_IMPORT_BODY)
+async def import_tasks(
+    request: Request,
+    db_session: DbSession,
+    environment: str = Query("terminal", description="Environment of tasks uploaded as archives."),
+):
+    """Import tasks; an identical task already stored is returned rather than duplicated."""
+    tasks = await _parse_import(request, environment)
+    rows = await service.import_tasks(db_session=db_session, tasks=tasks)
+    return TaskList(items=[TaskRead.from_row(r) for r in rows])
+
+
+@router.get("", response_model=TaskPage)
+async def list_tasks(
+    db_session: DbSession,
+    environment: str | None = None,
+    name: str | None = None,
+    limit: int = Query(DEFAULT_LIMIT, ge=1, le=MAX_LIMIT),
+    cursor: str | None = None,
+):
+    """List tasks, oldest first, optionally of one environment or name."""
+    rows, next_cursor = await service.list_tasks(
+        db_session=db_session, environment=environment or None, name=name or None, limit=limit,
+        cursor=cursor or None,
+    )
+    return TaskPage(items=[TaskRead.from_row(r) for r in rows], next=next_cursor)
+
+
+@router.get("/{task_id}", response_model=TaskRead)
+async def get_task(task_id: str, db_session: DbSession):
+    """Return one task."""
+    return TaskRead.from_row(await service.get_task(db_session=db_session, task_id=task_id))

@@ -1,0 +1,109 @@
+"""Import, find and list tasks; decode a stored task for the workers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.db import new_id, utcnow
+from gateway.environments.models import Environment, EnvironmentFamily
+from gateway.environments.service import get_environment_by_name
+from gateway.errors import InvalidRequestError, NotFoundError
+from gateway.pagination import page_of, paginate
+from gateway.tasks.models import Task
+from workers.tasks import TerminalTask, task_to_tar, tasks_from_tar
+
+logger = logging.getLogger(__name__)
+
+
+async def _resolve_environment(db_session: AsyncSession, name: str) -> Environment:
+    env = await get_environment_by_name(db_session=db_session, name=name)
+    if env is None:
+        raise InvalidRequestError(f"Environment {name!r} does not exist; create it with POST /v1/environments first.")
+    if env.family != EnvironmentFamily.TERMINAL:
+        raise InvalidRequestError(
+            f"Environment {name!r} is of family {env.family.value!r}, which takes no terminal tasks."
+        )
+    return env
+
+
+async def import_tasks(*, db_session: AsyncSession, tasks: Sequence[tuple[str, TerminalTask]]) -> list[Task]:
+    """Store each (environment name, task), reusing an identical task already stored; return them in order."""
+    archives = await asyncio.to_thread(lambda: [task_to_tar(task) for _, task in tasks])
+    for attempt in range(2):
+        try:
+            return await _import_once(db_session, tasks, archives)
+        except IntegrityError:
+            # A concurrent import stored the same task first; the retry finds it.
+            await db_session.rollback()
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def _import_once(
+    db_session: AsyncSession, tasks: Sequence[tuple[str, TerminalTask]], archives: list[bytes]
+) -> list[Task]:
+    envs: dict[str, Environment] = {}
+    result: list[Task] = []
+    seen: dict[tuple[str, str, str], Task] = {}
+    created = 0
+    for (env_name, task), archive in zip(tasks, archives, strict=True):
+        if env_name not in envs:
+            envs[env_name] = await _resolve_environment(db_session, env_name)
+        env = envs[env_name]
+        key = (env.id, task.name, task.content_hash)
+        row = seen.get(key)
+        if row is None:
+            row = await db_session.scalar(
+                select(Task).where(
+                    Task.environment_id == env.id, Task.name == task.name, Task.content_hash == task.content_hash
+                )
+            )
+        if row is None:
+            row = Task(
+                id=new_id("task"), name=task.name, environment_id=env.id, content_hash=task.content_hash,
+                instruction=task.instruction, meta=dict(task.metadata), archive=archive, created_at=utcnow(),
+            )
+            row.environment = env
+            db_session.add(row)
+            created += 1
+        seen[key] = row
+        result.append(row)
+    await db_session.commit()
+    logger.info("imported %d task(s) (%d new)", len(result), created)
+    return result
+
+
+async def get_task(*, db_session: AsyncSession, task_id: str) -> Task:
+    """Return the task with this id; raise NotFoundError if there is none."""
+    row = await db_session.get(Task, task_id)
+    if row is None:
+        raise NotFoundError(f"Task {task_id!r} does not exist.")
+    return row
+
+
+async def list_tasks(
+    *, db_session: AsyncSession, environment: str | None = None, name: str | None = None,
+    limit: int, cursor: str | None = None,
+) -> tuple[list[Task], str | None]:
+    """Return one page of tasks (oldest first), filtered by environment name and task name."""
+    stmt = select(Task)
+    if environment is not None:
+        stmt = stmt.join(Environment, Task.environment_id == Environment.id).where(Environment.name == environment)
+    if name is not None:
+        stmt = stmt.where(Task.name == name)
+    stmt = paginate(stmt, created_at=Task.created_at, id_=Task.id, cursor=cursor, limit=limit)
+    rows = list((await db_session.scalars(stmt)).unique().all())
+    return page_of(rows, limit=limit)
+
+
+async def load_terminal_task(task: Task) -> TerminalTask:
+    """Decode a stored task's archive into the TerminalTask the workers run."""
+    decoded = await asyncio.to_thread(tasks_from_tar, task.archive)
+    return decoded[0]

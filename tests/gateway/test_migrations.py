@@ -1,0 +1,100 @@
+"""``alembic upgrade head`` on SQLite and PostgreSQL, and an API flow on PostgreSQL."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import psycopg
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import create_engine, inspect
+
+import gateway.models  # noqa: F401
+from gateway.app import create_app
+from gateway.db import Base, alembic_config, check_database, sync_database_url, upgrade_database
+from tests.gateway.conftest import FakeRuntime, asgi_client, make_settings, task_files
+
+ROOT = Path(__file__).resolve().parents[2]
+PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
+TABLES = {"api_key", "environment", "task", "session", "sandbox", "alembic_version"}
+
+
+@pytest.fixture(scope="module")
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this module, dropped afterwards."""
+    name = f"forkyard_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def assert_schema_matches_models(url: str) -> None:
+    engine = create_engine(sync_database_url(url))
+    try:
+        with engine.connect() as conn:
+            assert TABLES <= set(inspect(conn).get_table_names())
+            diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+            assert diff == [], diff
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_upgrade_head_matches_models_and_downgrades(backend, tmp_path, request):
+    url = f"sqlite:///{tmp_path / 'm.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
+    with pytest.raises(RuntimeError, match="not at head"):
+        check_database(url)
+    upgrade_database(url)
+    check_database(url)
+    assert_schema_matches_models(url)
+    upgrade_database(url)  # idempotent
+    command.downgrade(alembic_config(url), "base")
+    engine = create_engine(sync_database_url(url))
+    with engine.connect() as conn:
+        assert set(inspect(conn).get_table_names()) <= {"alembic_version"}
+    engine.dispose()
+    upgrade_database(url)
+    assert_schema_matches_models(url)
+
+
+def test_alembic_cli_uses_forkyard_database_url(tmp_path):
+    db = tmp_path / "cli.db"
+    out = subprocess.run([str(Path(sys.executable).parent / "alembic"), "upgrade", "head"], cwd=ROOT,
+                         env={"FORKYARD_DATABASE_URL": f"sqlite:///{db}", "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    check_database(f"sqlite:///{db}")
+
+
+async def test_api_flow_on_postgresql(pg_url, tmp_path):
+    runtime = FakeRuntime()
+    app = create_app(make_settings(tmp_path, database_url=pg_url), runtime=runtime)
+    async with app.router.lifespan_context(app), asgi_client(app) as client:
+        names = ["pg-a", "pg-b", "pg-c"]
+        created = await client.post("/v1/tasks", json={"tasks": [{"name": n, "files": task_files(n)} for n in names]})
+        assert created.status_code == 201, created.text
+        again = await client.post("/v1/tasks", json={"tasks": [{"name": "pg-a", "files": task_files("pg-a")}]})
+        assert again.json()["items"][0]["id"] == created.json()["items"][0]["id"]
+        first = (await client.get("/v1/tasks", params={"limit": 2})).json()
+        second = (await client.get("/v1/tasks", params={"limit": 2, "cursor": first["next"]})).json()
+        assert [t["name"] for t in first["items"] + second["items"]] == names and second["next"] is None
+        sid = (await client.post("/v1/sessions", json={"task_id": first["items"][0]["id"]})).json()["id"]
+        solve = {"action": {"tool": "bash", "arguments": {"command": "solve"}}}
+        await client.post(f"/v1/sessions/{sid}/step", json=solve)
+        done = (await client.post(f"/v1/sessions/{sid}/step", json={"action": {"tool": "submit"}})).json()
+        assert done["reward"] == 1.0
+        info = (await client.get(f"/v1/sessions/{sid}")).json()
+        assert info["state"] == "terminated" and info["steps"] == 2
+        assert datetime.fromisoformat(info["created_at"]) < datetime.fromisoformat(info["closed_at"])
+        assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 204

@@ -1,0 +1,159 @@
+"""Sessions through the API with the fake runtime: open, step, submit, close, limits, recovery."""
+
+from __future__ import annotations
+
+from sqlalchemy import update
+
+from gateway.app import create_app
+from gateway.db import create_engine, create_sessionmaker
+from gateway.sandboxes.models import Sandbox
+from gateway.sessions.models import EnvSession, SessionState
+from sandboxes.base import SandboxState
+from tests.gateway.conftest import FakeRuntime, asgi_client, assert_error, make_settings, task_files
+
+
+async def test_session_flow_open_step_submit_close(gateway):
+    task = await gateway.import_task("hello")
+    opened = await gateway.open_session(task["id"])
+    assert opened["id"].startswith("sess_")
+    assert opened["task_id"] == task["id"] and opened["state"] == "open"
+    assert opened["observation"] == task["instruction"]
+    assert {t["function"]["name"] for t in opened["tools"]} == {"bash", "submit"}
+    assert opened["sandbox_id"] in gateway.runtime.sandboxes
+    sid = opened["id"]
+
+    step = await gateway.client.post(f"/v1/sessions/{sid}/step",
+                                     json={"action": {"tool": "bash", "arguments": {"command": "echo hi"}}})
+    assert step.status_code == 200, step.text
+    assert step.json() == {"observation": "hi\n[exit code 0]", "reward": None, "terminated": False,
+                           "truncated": False, "info": {"exit_code": 0}}
+    await gateway.client.post(f"/v1/sessions/{sid}/step",
+                              json={"action": {"tool": "bash", "arguments": {"command": "./solve"}}})
+    done = await gateway.client.post(f"/v1/sessions/{sid}/step", json={"action": {"tool": "submit"}})
+    assert done.status_code == 200, done.text
+    assert done.json()["terminated"] is True and done.json()["reward"] == 1.0
+
+    info = (await gateway.client.get(f"/v1/sessions/{sid}")).json()
+    assert info["state"] == "terminated" and info["steps"] == 3 and info["reward"] == 1.0
+    assert info["closed_at"] is not None and info["sandbox_id"] == opened["sandbox_id"]
+    # Termination frees the sandbox at once.
+    assert opened["sandbox_id"] not in gateway.runtime.sandboxes
+
+    assert (await gateway.client.delete(f"/v1/sessions/{sid}")).status_code == 204
+    assert (await gateway.client.delete(f"/v1/sessions/{sid}")).status_code == 204
+    assert (await gateway.client.get(f"/v1/sessions/{sid}")).json()["state"] == "terminated"
+
+
+async def test_close_open_session_destroys_sandbox_and_refuses_steps(gateway):
+    task = await gateway.import_task("hello")
+    opened = await gateway.open_session(task["id"])
+    sid = opened["id"]
+    response = await gateway.client.delete(f"/v1/sessions/{sid}")
+    assert response.status_code == 204 and response.content == b""
+    assert opened["sandbox_id"] not in gateway.runtime.sandboxes
+    info = (await gateway.client.get(f"/v1/sessions/{sid}")).json()
+    assert info["state"] == "closed" and info["closed_at"]
+    error = assert_error(await gateway.client.post(f"/v1/sessions/{sid}/step", json={"action": {"tool": "bash",
+                         "arguments": {"command": "ls"}}}), 409, "session_closed")
+    assert sid in error["message"]
+    async with gateway.app.state.sessionmaker() as db:
+        record = await db.get(Sandbox, opened["sandbox_id"])
+        assert record.state == SandboxState.GONE and record.gone_at is not None and record.session_id == sid
+
+
+async def test_sandboxes_listing_joins_sessions_and_tasks(gateway):
+    task = await gateway.import_task("listing")
+    opened = await gateway.open_session(task["id"])
+    orphan = gateway.runtime.add_orphan("sess_from_elsewhere")
+    response = await gateway.client.get("/v1/sandboxes")
+    assert response.status_code == 200, response.text
+    rows = {row["id"]: row for row in response.json()["items"]}
+    assert response.json()["next"] is None
+    row = rows[opened["sandbox_id"]]
+    assert row["session_id"] == opened["id"] and row["task_id"] == task["id"] and row["task_name"] == "listing"
+    assert row["node"] == "test-node" and row["backend"] == "fake" and row["state"] == "ready"
+    assert row["age_s"] >= 0 and row["created_at"]
+    assert rows[orphan]["session_id"] == "sess_from_elsewhere" and rows[orphan]["task_id"] is None
+
+
+async def test_list_sessions_by_state_with_paging(gateway):
+    task = await gateway.import_task("hello")
+    ids = [(await gateway.open_session(task["id"]))["id"] for _ in range(3)]
+    await gateway.client.delete(f"/v1/sessions/{ids[0]}")
+    page = (await gateway.client.get("/v1/sessions", params={"state": "open", "limit": 1})).json()
+    seen = [item["id"] for item in page["items"]]
+    while page["next"]:
+        page = (await gateway.client.get("/v1/sessions", params={"state": "open", "limit": 1,
+                                                                  "cursor": page["next"]})).json()
+        seen += [item["id"] for item in page["items"]]
+    assert seen == ids[1:]
+    closed = (await gateway.client.get("/v1/sessions", params={"state": "closed"})).json()["items"]
+    assert [s["id"] for s in closed] == ids[:1]
+
+
+async def test_failed_open_answers_image_build_error_and_records_failure(gateway):
+    task = await gateway.import_task("broken", metadata="fake_fail_build = true")
+    error = assert_error(await gateway.client.post("/v1/sessions", json={"task_id": task["id"]}),
+                         422, "image_build_error")
+    assert "Dockerfile line 2" in error["message"]
+    sessions = (await gateway.client.get("/v1/sessions", params={"task_id": task["id"]})).json()["items"]
+    assert len(sessions) == 1 and sessions[0]["state"] == "failed" and "FROBNICATE" in sessions[0]["error"]
+    # The gateway still opens sessions of good tasks.
+    good = await gateway.import_task("good")
+    assert (await gateway.open_session(good["id"]))["state"] == "open"
+
+
+async def test_open_session_limit_answers_429(tmp_path):
+    runtime = FakeRuntime()
+    app = create_app(make_settings(tmp_path, sessions={"max_open": 2}), runtime=runtime)
+    async with app.router.lifespan_context(app), asgi_client(app) as client:
+        response = await client.post("/v1/tasks", json={"tasks": [{"name": "t", "files": task_files("t")}]})
+        task_id = response.json()["items"][0]["id"]
+        first = (await client.post("/v1/sessions", json={"task_id": task_id})).json()
+        assert (await client.post("/v1/sessions", json={"task_id": task_id})).status_code == 201
+        error = assert_error(await client.post("/v1/sessions", json={"task_id": task_id}), 429, "rate_limited")
+        assert "2" in error["message"]
+        await client.delete(f"/v1/sessions/{first['id']}")
+        assert (await client.post("/v1/sessions", json={"task_id": task_id})).status_code == 201
+
+
+async def test_shutdown_closes_sessions_and_restart_recovers(tmp_path):
+    settings = make_settings(tmp_path)
+    runtime = FakeRuntime()
+    app = create_app(settings, runtime=runtime)
+    async with app.router.lifespan_context(app), asgi_client(app) as client:
+        task_id = (await client.post("/v1/tasks", json={"tasks": [{"name": "t", "files": task_files("t")}]})
+                   ).json()["items"][0]["id"]
+        survivor = (await client.post("/v1/sessions", json={"task_id": task_id})).json()
+        lost = (await client.post("/v1/sessions", json={"task_id": task_id})).json()
+    # Shutdown closed both sessions and destroyed their sandboxes; an injected runtime is not aclose()d.
+    assert runtime.sandboxes == {} and not runtime.closed
+
+    # Make the DB look like after a crash: both sessions still open.
+    engine = create_engine(settings.database_url)
+    async with create_sessionmaker(engine)() as db:
+        await db.execute(update(EnvSession).values(state=SessionState.OPEN, closed_at=None, error=None))
+        await db.execute(update(Sandbox).values(state=SandboxState.READY, gone_at=None))
+        await db.commit()
+    await engine.dispose()
+    # The crashed node kept one session's sandbox, lost the other's, and left an unowned orphan.
+    fresh = FakeRuntime()
+    kept_sandbox = fresh.add_orphan(survivor["id"], sandbox_id=survivor["sandbox_id"])
+    orphan = fresh.add_orphan("sess_nobody")
+
+    app2 = create_app(settings, runtime=fresh)
+    async with app2.router.lifespan_context(app2), asgi_client(app2) as client:
+        # A new runtime cannot resume a session: every sandbox of the node is reaped...
+        assert sorted(fresh.reaped) == sorted([orphan, kept_sandbox])
+        assert fresh.sandboxes == {}
+        # ...and every session open before the crash ends failed, with the reason.
+        for sid in (survivor["id"], lost["id"]):
+            body = (await client.get(f"/v1/sessions/{sid}")).json()
+            assert body["state"] == "failed" and "restarted" in body["error"]
+        async with app2.state.sessionmaker() as db:
+            for sb in (lost["sandbox_id"], survivor["sandbox_id"]):
+                assert (await db.get(Sandbox, sb)).state == SandboxState.GONE
+        error = assert_error(await client.post(f"/v1/sessions/{survivor['id']}/step",
+                                               json={"action": {"tool": "bash", "arguments": {"command": "ls"}}}),
+                             409, "session_closed")
+        assert survivor["id"] in error["message"] or "closed" in error["message"] or "failed" in error["message"]

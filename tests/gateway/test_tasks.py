@@ -1,0 +1,138 @@
+"""Task import (tar.gz, tar, multipart, JSON), dedupe, format errors, listing with cursors; environments."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from gateway.tasks.models import Task
+from tests.gateway.conftest import assert_error, tar_of, task_files
+from workers.tasks import tasks_from_tar
+
+
+async def test_import_tar_gz_of_several_tasks(gateway):
+    body = tar_of({"alpha": task_files("alpha"), "beta": task_files("beta")})
+    response = await gateway.client.post("/v1/tasks", content=body, headers={"Content-Type": "application/gzip"})
+    assert response.status_code == 201, response.text
+    items = response.json()["items"]
+    assert [t["name"] for t in items] == ["alpha", "beta"]
+    for item in items:
+        assert item["id"].startswith("task_") and item["environment"] == "terminal"
+        assert len(item["content_hash"]) == 64 and item["metadata"] == {"difficulty": "easy"}
+        assert item["instruction"] == task_files(item["name"])["instruction.md"]
+    # The stored archive decodes back to the same task.
+    async with gateway.app.state.sessionmaker() as db:
+        row = await db.get(Task, items[0]["id"])
+        (decoded,) = tasks_from_tar(row.archive)
+        assert decoded.name == "alpha" and decoded.content_hash == items[0]["content_hash"]
+
+
+async def test_import_plain_tar_and_multipart(gateway):
+    plain = await gateway.client.post("/v1/tasks", content=tar_of({"plain": task_files("plain")}, gz=False),
+                                      headers={"Content-Type": "application/x-tar"})
+    assert plain.status_code == 201, plain.text
+    multi = await gateway.client.post(
+        "/v1/tasks", files={"file": ("tasks.tar.gz", tar_of({"multi": task_files("multi")}), "application/gzip")}
+    )
+    assert multi.status_code == 201, multi.text
+    assert [t["name"] for t in plain.json()["items"] + multi.json()["items"]] == ["plain", "multi"]
+    no_file = await gateway.client.post("/v1/tasks", files={"note": (None, "a field, not a file")})
+    assert "multipart/form-data" in no_file.request.headers["content-type"]
+    assert "no file" in assert_error(no_file, 400, "bad_request")["message"]
+    urlencoded = await gateway.client.post("/v1/tasks", data={"note": "x"})
+    assert_error(urlencoded, 415, "unsupported_media_type")
+
+
+async def test_reimport_returns_existing_task_and_changed_content_is_new(gateway):
+    first = await gateway.import_task("same")
+    again = await gateway.client.post("/v1/tasks", content=tar_of({"same": task_files("same")}),
+                                      headers={"Content-Type": "application/gzip"})
+    assert again.json()["items"][0]["id"] == first["id"]
+    changed = await gateway.import_task("same", instruction="Something else entirely.\n")
+    assert changed["id"] != first["id"] and changed["content_hash"] != first["content_hash"]
+    async with gateway.app.state.sessionmaker() as db:
+        assert len((await db.scalars(select(Task).where(Task.name == "same"))).all()) == 2
+    by_name = (await gateway.client.get("/v1/tasks", params={"name": "same"})).json()["items"]
+    assert [t["id"] for t in by_name] == [first["id"], changed["id"]]
+
+
+async def test_task_format_errors_name_file_and_field(gateway):
+    error = assert_error(await gateway.client.post(
+        "/v1/tasks", json={"tasks": [{"name": "bad", "files": task_files("bad", timeout='"abc"')}]}),
+        422, "task_format_error")
+    assert "task.toml" in error["message"] and "timeout_sec" in error["message"]
+    files = task_files("nover")
+    del files["tests/test.sh"]
+    error = assert_error(await gateway.client.post("/v1/tasks", content=tar_of({"nover": files}),
+                                                   headers={"Content-Type": "application/gzip"}),
+                         422, "task_format_error")
+    assert "tests/test.sh" in error["message"]
+    error = assert_error(await gateway.client.post("/v1/tasks", content=b"not a tar at all",
+                                                   headers={"Content-Type": "application/gzip"}),
+                         422, "task_format_error")
+    assert "tar" in error["message"]
+    assert_error(await gateway.client.post("/v1/tasks", json={"tasks": []}), 422, "validation_error")
+    assert_error(await gateway.client.post("/v1/tasks", content=b"", headers={"Content-Type": "application/gzip"}),
+                 400, "bad_request")
+    error = assert_error(await gateway.client.post("/v1/tasks", content=b"x", headers={"Content-Type": "text/plain"}),
+                         415, "unsupported_media_type")
+    assert "text/plain" in error["message"]
+    # Nothing half-imported, and a good import still works.
+    assert (await gateway.client.get("/v1/tasks")).json()["items"] == []
+    assert (await gateway.import_task("fine"))["name"] == "fine"
+
+
+async def test_unknown_environment_is_refused(gateway):
+    error = assert_error(await gateway.client.post(
+        "/v1/tasks", json={"tasks": [{"name": "x", "environment": "nope", "files": task_files("x")}]}),
+        422, "validation_error")
+    assert "nope" in error["message"]
+    assert_error(await gateway.client.post("/v1/tasks", params={"environment": "nope"},
+                                           content=tar_of({"x": task_files("x")}),
+                                           headers={"Content-Type": "application/gzip"}), 422, "validation_error")
+
+
+async def test_list_tasks_pages_with_opaque_cursors(gateway):
+    names = [f"t{i}" for i in range(5)]
+    response = await gateway.client.post("/v1/tasks", json={"tasks": [{"name": n, "files": task_files(n)}
+                                                                       for n in names]})
+    ids = [t["id"] for t in response.json()["items"]]
+    seen, cursor, pages = [], None, 0
+    while True:
+        params = {"limit": 2, **({"cursor": cursor} if cursor else {})}
+        page = (await gateway.client.get("/v1/tasks", params=params)).json()
+        pages += 1
+        seen += [t["id"] for t in page["items"]]
+        cursor = page["next"]
+        if cursor is None:
+            break
+        assert not cursor.startswith("task_")  # opaque, not a raw id
+    assert sorted(seen) == sorted(ids) and len(seen) == 5 and pages == 3
+    assert (await gateway.client.get("/v1/tasks", params={"environment": "terminal", "limit": 50})
+            ).json()["next"] is None
+    assert (await gateway.client.get("/v1/tasks", params={"environment": "other"})).json()["items"] == []
+    one = await gateway.client.get(f"/v1/tasks/{ids[3]}")
+    assert one.status_code == 200 and one.json()["name"] == "t3"
+    assert_error(await gateway.client.get("/v1/tasks", params={"cursor": "!!garbage!!"}), 400, "bad_request")
+    error = assert_error(await gateway.client.get("/v1/tasks", params={"limit": 0}), 422, "validation_error")
+    assert "limit" in error["message"]
+
+
+async def test_environments_default_create_conflict_list(gateway):
+    page = (await gateway.client.get("/v1/environments")).json()
+    assert [e["name"] for e in page["items"]] == ["terminal"] and page["next"] is None
+    assert page["items"][0]["family"] == "terminal"
+    created = await gateway.client.post("/v1/environments", json={"name": "terminal-hard", "family": "terminal",
+                                                                   "version": "2", "description": "harder"})
+    assert created.status_code == 201, created.text
+    env = created.json()
+    assert env["id"].startswith("env_") and env["version"] == "2" and env["description"] == "harder"
+    assert (await gateway.client.get(f"/v1/environments/{env['id']}")).json() == env
+    assert_error(await gateway.client.post("/v1/environments", json={"name": "terminal-hard"}), 409, "conflict")
+    error = assert_error(await gateway.client.post("/v1/environments", json={"name": "x", "family": "chess"}),
+                         422, "validation_error")
+    assert "family" in error["message"]
+    task = await gateway.client.post("/v1/tasks", json={"tasks": [{"name": "h", "environment": "terminal-hard",
+                                                                   "files": task_files("h")}]})
+    assert task.json()["items"][0]["environment"] == "terminal-hard"
+    listed = (await gateway.client.get("/v1/tasks", params={"environment": "terminal-hard"})).json()["items"]
+    assert [t["name"] for t in listed] == ["h"]
