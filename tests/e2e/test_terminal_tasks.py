@@ -1,0 +1,94 @@
+"""Every example terminal task, solved through the SDK against a live gateway, on both backends."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import forkyard
+from tests.live import FORKYARD, ROOT
+
+TASKS_DIR = ROOT / "examples" / "tasks" / "terminal"
+TASK_NAMES = sorted(p.name for p in TASKS_DIR.iterdir() if (p / "task.toml").is_file())
+
+
+def oracle_command(name: str) -> str:
+    script = (TASKS_DIR / name / "solution" / "solve.sh").read_text()
+    return f"bash <<'FORKYARD_ORACLE'\n{script}\nFORKYARD_ORACLE"
+
+
+@pytest.fixture(scope="module")
+def imported(live_gateway):
+    """Import the example tasks with the CLI; return {name: task id}."""
+    out = subprocess.run(
+        [str(FORKYARD), "tasks", "import", str(TASKS_DIR)],
+        env=live_gateway.env(), capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    ids = {}
+    for line in out.stdout.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].startswith("task_"):
+            ids[parts[1]] = parts[0]
+    assert sorted(ids) == TASK_NAMES
+    return ids
+
+
+@pytest.fixture(scope="module")
+def client(live_gateway):
+    with forkyard.Client(base_url=live_gateway.url, api_key=live_gateway.api_key, timeout=300) as c:
+        yield c
+
+
+def test_there_are_at_least_six_example_tasks():
+    assert len(TASK_NAMES) >= 6
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_oracle_scores_one(client, imported, name):
+    with client.sessions.create(imported[name]) as s:
+        assert s.observation.strip()
+        assert {t["function"]["name"] for t in s.tools} == {"bash", "submit"}
+        step = s.step("bash", command=oracle_command(name), timeout=120)
+        assert not step.terminated
+        result = s.submit()
+    assert result.terminated
+    assert result.reward == 1.0, result.info
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_wrong_action_scores_zero(client, imported, name):
+    with client.sessions.create(imported[name]) as s:
+        s.step("bash", command="echo not solving this")
+        result = s.submit()
+    assert result.reward == 0.0, result.info
+
+
+def test_bad_input_gets_clear_4xx_and_gateway_keeps_working(client, imported, live_gateway):
+    name = TASK_NAMES[0]
+    with client.sessions.create(imported[name]) as other:
+        with pytest.raises(forkyard.NotFoundError) as e:
+            client.sessions.create("task_does_not_exist")
+        assert e.value.request_id and "task" in e.value.message.lower()
+        with client.sessions.create(imported[name]) as s:
+            with pytest.raises(forkyard.UnprocessableEntityError, match="(?i)tool"):
+                s.step("rm_rf", command="x")
+            with pytest.raises(forkyard.UnprocessableEntityError):
+                s.step("bash", nonsense=1)
+            assert s.step("bash", command="echo fine").observation.startswith("fine")
+            session_id = s.id
+        with pytest.raises(forkyard.ConflictError):
+            client.sessions.step(session_id, "bash", command="echo closed")
+        with forkyard.Client(base_url=live_gateway.url, api_key="fy_wrong", max_retries=0) as bad:
+            with pytest.raises(forkyard.AuthenticationError):
+                bad.tasks.list().first_page()
+        assert "alive" in other.step("bash", command="echo alive").observation
+
+
+def test_sandboxes_listing_shows_live_sessions(client, imported):
+    with client.sessions.create(imported[TASK_NAMES[0]]) as s:
+        rows = [r for r in client.sandboxes.list() if r.session_id == s.id]
+        assert len(rows) == 1
+        assert rows[0].state in ("ready", "busy") and rows[0].task_name == TASK_NAMES[0]
