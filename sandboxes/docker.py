@@ -74,8 +74,9 @@ from sandboxes.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
-from sandboxes.procs import descendants, kill_descendants_since, ticks_now
+from sandboxes.procs import child_pids, descendants, host_pid_of, kill_descendants_since, signal_pid, ticks_now
 from sandboxes.shell import (
+    ABORT_SIGNAL,
     SHELL_DIED_EXIT_CODE,
     STDERR,
     STDOUT,
@@ -113,12 +114,13 @@ _STATES = {
 
 # The container's clock in ticks (1/100 s, the unit of /proc/PID/stat starttime).
 _UPTIME_SCRIPT = r"""read -r up _ < /proc/uptime; echo "${up/./}" """
-# Kill, inside the container, every process but PID 1, the shell (pid $2) and this script
+# Abort the shell's command (USR1), then kill, inside the container, every process but PID 1, the shell (pid $2) and this script
 # that started at or after tick $1 (the timed-out command and all it spawned, reparented or
 # not). Only builtins, so the script forks nothing that could kill itself. Used when the
 # engine's processes are not visible in this host's /proc.
 _KILL_SCRIPT = r"""
 since=$1 shell=$2
+kill -USR1 "$shell" 2>/dev/null
 for round in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do
   n=0
   for f in /proc/[0-9]*/stat; do
@@ -151,6 +153,8 @@ class _Sandbox:
     shell_floor: int = 0
     """First clock tick after the shell started: a kill never reaches the shell itself."""
     shell_pid: int = 0
+    shell_host_pid: int | None = None
+    """The shell's pid on this host (None when the engine's processes are not visible)."""
     """The shell's pid inside the container."""
     rootfd: int | None = None
     """O_PATH descriptor of the container's root as its processes see it (host /proc only)."""
@@ -403,6 +407,7 @@ class DockerBackend:
         sbx.shell_pid = int(result.stdout.strip())
         sbx.workdir = result.cwd or sbx.workdir
         if sbx.pid is not None:
+            sbx.shell_host_pid = await asyncio.to_thread(host_pid_of, sbx.shell_pid, child_pids(sbx.pid))
             started = [start for _, start in await asyncio.to_thread(descendants, sbx.pid)]
             sbx.shell_floor = max(started, default=0) + 1
 
@@ -563,6 +568,8 @@ class DockerBackend:
     async def _kill_command(self, sbx: _Sandbox, since_ticks: int) -> None:
         """Kill every process of the container started since the command began, not the shell."""
         if sbx.pid is not None:
+            # Abort the command list in the shell first, then kill what it started.
+            signal_pid(sbx.shell_host_pid, ABORT_SIGNAL)
             n = await asyncio.to_thread(kill_descendants_since, sbx.pid, since_ticks)
             logger.debug("killed %d processes of timed-out command in %s", n, sbx.id[:12])
             return

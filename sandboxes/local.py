@@ -69,8 +69,8 @@ from sandboxes.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
-from sandboxes.procs import CLK_TCK, kill_descendants_since
-from sandboxes.shell import SHELL_DIED_EXIT_CODE, STDERR, STDOUT, ShellChannel
+from sandboxes.procs import child_pids, kill_descendants_since, signal_pid, start_ticks, ticks_now
+from sandboxes.shell import ABORT_SIGNAL, SHELL_DIED_EXIT_CODE, STDERR, STDOUT, ShellChannel
 
 logger = logging.getLogger(__name__)
 
@@ -185,48 +185,18 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _boot_ticks() -> int:
-    """Return CLOCK_BOOTTIME in clock ticks (the unit of /proc/PID/stat starttime)."""
-    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * CLK_TCK)
-
-
-def _start_ticks(pid: int) -> int | None:
-    """Return the start time of ``pid`` in clock ticks, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            raw = fh.read()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(b")") + 2 :].split()
-    if fields[0] == b"Z":
-        return None
-    return int(fields[19])
-
-
 def _alive(pid: int | None, start: int | None) -> bool:
     """Tell whether ``pid`` still runs and is the process that started at ``start``."""
-    return bool(pid) and _start_ticks(pid) is not None and (start is None or _start_ticks(pid) == start)
+    if not pid:
+        return False
+    now = start_ticks(pid)
+    return now is not None and (start is None or now == start)
 
 
 def _child_pid(pid: int) -> int | None:
     """Return the (single) child of ``pid``."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            kids = fh.read().split()
-        if kids:
-            return int(kids[0])
-    except OSError:
-        pass
-    for name in os.listdir("/proc"):  # kernels without CONFIG_PROC_CHILDREN
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as fh:
-                    raw = fh.read()
-            except OSError:
-                continue
-            if int(raw[raw.rfind(b")") + 2 :].split()[1]) == pid:
-                return int(name)
-    return None
+    kids = child_pids(pid)
+    return kids[0] if kids else None
 
 
 def _mount_overlay(lowers: list[str], upper: Path, work: Path, merged: Path, volatile: bool) -> bool:
@@ -548,7 +518,7 @@ class LocalBackend:
                 "created_at": sb.created_at,
                 "state": sb.state.value,
                 "pid": shell.pid if shell else None,
-                "pid_start": _start_ticks(shell.pid) if shell else None,
+                "pid_start": start_ticks(shell.pid) if shell else None,
                 "init_pid": shell.init_pid if shell else None,
                 "init_start": shell.init_start if shell else None,
                 "workdir": sb.workdir,
@@ -729,7 +699,7 @@ class LocalBackend:
             init_pid = _child_pid(shell.pid)
             if init_pid is None:
                 raise SandboxError(f"the shell of sandbox {sb.id} vanished while starting")
-            shell.init_pid, shell.init_start = init_pid, _start_ticks(init_pid)
+            shell.init_pid, shell.init_start = init_pid, start_ticks(init_pid)
             _setup_namespaces(init_pid, sb.id, loopback=not sb.spec.network)
         except BaseException:
             await self._stop_shell(shell)
@@ -778,9 +748,11 @@ class LocalBackend:
                 await self._respawn(sb, sb.shell.channel.cwd if sb.shell else None)
             shell = sb.shell
             sb.state = SandboxState.BUSY
-            since = _boot_ticks()
+            since = ticks_now()
 
             async def on_timeout() -> None:
+                # Abort the command list in the shell first, then kill what it started.
+                signal_pid(shell.init_pid, ABORT_SIGNAL)
                 await asyncio.to_thread(kill_descendants_since, shell.init_pid, since)
 
             try:

@@ -10,13 +10,12 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def ticks_now() -> int:
-    """Return the time since boot in clock ticks, the unit of /proc/PID/stat starttime."""
-    with open("/proc/uptime", "rb") as fh:
-        return int(float(fh.read().split()[0]) * CLK_TCK)
+    """Return CLOCK_BOOTTIME in clock ticks, the unit of /proc/PID/stat starttime."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * CLK_TCK)
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
-    """Return (ppid, starttime) of ``pid``, or None if it is gone."""
+    """Return (ppid, starttime) of ``pid``, or None if it is gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             raw = fh.read()
@@ -24,7 +23,31 @@ def _stat(pid: int) -> tuple[int, int] | None:
         return None
     fields = raw[raw.rfind(b")") + 2 :].split()
     # fields[0] is the state (field 3); ppid is field 4, starttime field 22.
+    if fields[0] == b"Z":
+        return None
     return int(fields[1]), int(fields[19])
+
+
+def start_ticks(pid: int) -> int | None:
+    """Return the start time of ``pid`` in clock ticks, or None if it is gone."""
+    st = _stat(pid)
+    return None if st is None else st[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Return the children of ``pid`` (from /proc/PID/task/PID/children, else a /proc scan)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(k) for k in fh.read().split()]
+    except OSError:
+        pass
+    kids = []
+    for name in os.listdir("/proc"):  # kernels without CONFIG_PROC_CHILDREN
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None and st[0] == pid:
+                kids.append(int(name))
+    return kids
 
 
 def descendants(root_pid: int) -> list[tuple[int, int]]:
@@ -43,6 +66,32 @@ def descendants(root_pid: int) -> list[tuple[int, int]]:
             found.append(child)
             stack.append(child[0])
     return found
+
+
+def host_pid_of(ns_pid: int, candidates: list[int]) -> int | None:
+    """Return which of ``candidates`` (host pids) is ``ns_pid`` in its own pid namespace."""
+    for pid in candidates:
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                for line in fh:
+                    if line.startswith("NSpid:"):
+                        if int(line.split()[-1]) == ns_pid:
+                            return pid
+                        break
+        except OSError:
+            continue
+    return None
+
+
+def signal_pid(pid: int | None, sig: int) -> bool:
+    """Send ``sig`` to ``pid``; return False if it is gone."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def kill_descendants_since(root_pid: int, since_ticks: int, *, rounds: int = 50) -> int:

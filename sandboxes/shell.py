@@ -5,16 +5,25 @@ Both backends own a byte channel to a ``bash --noprofile --norc`` (a pipe pair f
 :class:`ShellChannel`. No process is spawned per command: a command costs one write
 and the read of its output, which is what keeps ``exec`` under a millisecond.
 
-Each command is sent as ``eval $'<quoted>' </dev/null`` followed by a ``printf`` of a
-per-sandbox random marker with the exit code and ``$PWD``; ``eval`` runs in the shell
-itself so ``cd`` and ``export`` persist, a syntax error in the command is just a
-non-zero exit, and the command cannot swallow the lines after it from stdin.
+Each command is sent as ``__fy_run $'<quoted>' </dev/null`` (a shell function that
+``eval``s it) followed by a ``printf`` of a per-sandbox random marker with the exit code
+and ``$PWD``. ``eval`` runs in the shell itself so ``cd`` and ``export`` persist, a
+syntax error in the command is just a non-zero exit, and the command cannot swallow the
+lines after it from stdin.
+
+A timeout aborts the whole command, not only the process running at that moment: the
+backend sends the shell ``SIGUSR1`` (see :data:`ABORT_SIGNAL`) and then kills every
+process the command started. The shell's ``USR1`` trap runs ``return`` inside
+``__fy_run``, so the rest of the command list is skipped (``sleep 100; echo never``
+prints nothing) and even a builtin loop (``while :; do :; done``) stops, without
+restarting the shell. The exit code of a timed-out command is :data:`TIMEOUT_EXIT_CODE`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import signal
 import time
 from collections.abc import Awaitable, Callable
 
@@ -25,6 +34,17 @@ STDERR = 2
 
 #: Exit code reported when the shell itself died during a command.
 SHELL_DIED_EXIT_CODE = -1
+#: Exit code of a command aborted by its timeout (as coreutils ``timeout`` reports).
+TIMEOUT_EXIT_CODE = 124
+#: Signal a backend sends the shell to abort the running command (before killing its processes).
+ABORT_SIGNAL = signal.SIGUSR1
+
+# Installed before every command (user code may reset traps). The trap only returns
+# when it fires inside a function, so a late signal while the shell idles is harmless.
+_PRELUDE = (
+    f"trap 'case ${{FUNCNAME[0]-}} in ?*) return {TIMEOUT_EXIT_CODE};; esac' USR1\n"
+    "__fy_run() { local __fy_cmd=$1; shift; eval \"$__fy_cmd\"; }\n"
+)
 
 
 def ansi_c_quote(text: str) -> str:
@@ -164,7 +184,7 @@ class ShellChannel:
             self._finished.clear()
             m = self._marker.decode()
             script = (
-                f"eval {ansi_c_quote(command)} </dev/null\n"
+                f"{_PRELUDE}__fy_run {ansi_c_quote(command)} </dev/null\n"
                 f"__fy_rc=$?; printf '\\n{m} %d %s\\n' \"$__fy_rc\" \"$PWD\"; printf '\\n{m}\\n' >&2\n"
             )
             start = time.perf_counter()
@@ -198,7 +218,7 @@ class ShellChannel:
                 exit_code = int(self._out.trailer[0])
                 self.cwd = self._out.trailer[1].decode("utf-8", "replace") if len(self._out.trailer) > 1 else self.cwd
             else:
-                exit_code = SHELL_DIED_EXIT_CODE if not timed_out else 137
+                exit_code = SHELL_DIED_EXIT_CODE if not timed_out else TIMEOUT_EXIT_CODE
             if timed_out:
                 note = f"\n[forkyard: command timed out after {timeout_s:g}s and was killed]\n"
                 stderr += note

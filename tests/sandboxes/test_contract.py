@@ -15,6 +15,7 @@ import pytest
 
 from sandboxes.base import LABEL_NODE, ImageConfig, Resources, SandboxSpec, SandboxState
 from sandboxes.errors import ImageNotFoundError, PathEscapeError, SandboxNotFoundError
+from sandboxes.shell import TIMEOUT_EXIT_CODE
 from tests.sandboxes.conftest import BASE_REF, find_leftovers
 
 SPEC = SandboxSpec(image=BASE_REF)
@@ -87,10 +88,28 @@ async def test_timeout_kills_the_whole_process_tree(backend):
     assert r.stdout == "alive 1\n/tmp\n"
 
 
-async def test_builtin_loop_times_out_and_the_sandbox_recovers(backend):
+async def test_timeout_aborts_the_rest_of_the_command(backend):
+    info = await backend.create(SPEC)
+    r = await backend.exec(info.id, "echo before; sleep 100; echo never", timeout_s=1)
+    assert r.timed_out and r.exit_code == TIMEOUT_EXIT_CODE
+    assert r.stdout == "before\n"
+
+
+async def test_builtin_loop_times_out_in_the_same_shell(backend):
+    info = await backend.create(SPEC)
+    await backend.exec(info.id, "cd /tmp && export KEEP=2")
+    r = await backend.exec(info.id, "while :; do :; done; echo never", timeout_s=1)
+    assert r.timed_out and r.exit_code == TIMEOUT_EXIT_CODE
+    assert "never" not in r.stdout and "new shell" not in r.stderr
+    # No shell restart was needed: the exported variable is still there.
+    r = await backend.exec(info.id, "echo alive $KEEP; pwd")
+    assert (r.stdout, r.exit_code) == ("alive 2\n/tmp\n", 0)
+
+
+async def test_shell_that_ignores_the_abort_is_replaced(backend):
     info = await backend.create(SPEC)
     await backend.exec(info.id, "cd /tmp")
-    r = await backend.exec(info.id, "while :; do :; done", timeout_s=1)
+    r = await backend.exec(info.id, "trap '' USR1; while :; do :; done", timeout_s=1)
     assert r.timed_out and r.exit_code != 0
     r = await backend.exec(info.id, "echo alive; pwd")
     assert (r.stdout, r.exit_code) == ("alive\n/tmp\n", 0)
@@ -307,7 +326,7 @@ async def test_commit_makes_an_image_with_its_config(backend):
 async def test_nothing_is_left_behind(backend, backend_root, created):
     infos = [await backend.create(SPEC) for _ in range(3)]
     await backend.exec(infos[0].id, "sleep 100 &")  # a background job the destroy must reap
-    await backend.exec(infos[1].id, "while :; do :; done", timeout_s=1)  # a replaced shell
+    await backend.exec(infos[1].id, "trap '' USR1; while :; do :; done", timeout_s=1)  # a replaced shell
     await backend.exec(infos[2].id, "exit 7")  # another replaced shell
     busy = asyncio.ensure_future(backend.exec(infos[2].id, "sleep 100", timeout_s=60))
     await asyncio.sleep(0.2)

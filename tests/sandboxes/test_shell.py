@@ -1,13 +1,15 @@
 """The persistent-shell protocol against a real bash on the host (no sandbox)."""
 
 import asyncio
+import os
 import subprocess
 
 import pytest
 
 from sandboxes.base import normalize_sandbox_path
 from sandboxes.errors import PathEscapeError
-from sandboxes.shell import STDERR, STDOUT, ShellChannel, ansi_c_quote
+from sandboxes.procs import kill_descendants_since, ticks_now
+from sandboxes.shell import ABORT_SIGNAL, STDERR, STDOUT, TIMEOUT_EXIT_CODE, ShellChannel, ansi_c_quote
 
 
 @pytest.fixture
@@ -22,6 +24,7 @@ async def channel():
         await proc.stdin.drain()
 
     ch = ShellChannel(write)
+    ch.pid = proc.pid  # for the abort test
 
     async def pump(reader, stream):
         while chunk := await reader.read(65536):
@@ -94,6 +97,20 @@ async def test_timeout_calls_the_killer_and_reports(channel):
     r = await channel.run("sleep 0.3; echo late", timeout_s=0.05, on_timeout=on_timeout)
     assert r.timed_out and called
     assert "timed out" in r.stderr
+
+
+async def test_abort_signal_skips_the_rest_of_the_command(channel):
+    async def on_timeout():
+        os.kill(channel.pid, ABORT_SIGNAL)
+        kill_descendants_since(channel.pid, since)
+
+    since = ticks_now()
+    r = await channel.run("echo a; sleep 30; echo never", timeout_s=0.5, on_timeout=on_timeout)
+    assert (r.stdout, r.exit_code, r.timed_out) == ("a\n", TIMEOUT_EXIT_CODE, True)
+    since = ticks_now()
+    r = await channel.run("export X=1; while :; do :; done", timeout_s=0.5, on_timeout=on_timeout)
+    assert r.exit_code == TIMEOUT_EXIT_CODE
+    assert (await channel.run("echo $X", timeout_s=5)).stdout == "1\n"
 
 
 @pytest.mark.parametrize(
