@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-import sys
 
 REPO = "/app/stats"
 MAIN_STATS = "/tests/stats_main.py"

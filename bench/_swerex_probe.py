@@ -1,0 +1,45 @@
+"""Time SWE-ReX's local deployment (the peer baseline); runs in bench/.venv-swerex.
+
+Prints one JSON object: {"start": [s], "session": [s], "exec": [s...], "write": [s...]}.
+"""
+
+import asyncio
+import json
+import sys
+import tempfile
+import time
+
+
+async def main(runs: int) -> None:
+    from swerex.deployment.local import LocalDeployment
+    from swerex.runtime.abstract import BashAction, CreateBashSessionRequest, WriteFileRequest
+
+    out: dict[str, list[float]] = {"start": [], "session": [], "exec": [], "write": []}
+    t = time.perf_counter()
+    deployment = LocalDeployment()
+    await deployment.start()
+    out["start"].append(time.perf_counter() - t)
+    try:
+        runtime = deployment.runtime
+        t = time.perf_counter()
+        await runtime.create_session(CreateBashSessionRequest())
+        out["session"].append(time.perf_counter() - t)
+        for _ in range(3):
+            await runtime.run_in_session(BashAction(command="echo hi"))
+        for _ in range(runs):
+            t = time.perf_counter()
+            obs = await runtime.run_in_session(BashAction(command="echo hi"))
+            out["exec"].append(time.perf_counter() - t)
+            assert obs.output.strip() == "hi", obs
+        with tempfile.TemporaryDirectory() as tmp:
+            for i in range(runs):
+                t = time.perf_counter()
+                await runtime.write_file(WriteFileRequest(path=f"{tmp}/f{i}", content="x" * 1024))
+                out["write"].append(time.perf_counter() - t)
+    finally:
+        await deployment.stop()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    asyncio.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 50))

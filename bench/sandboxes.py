@@ -1,0 +1,180 @@
+"""Sandbox latency: create, exec, file write, destroy on both backends vs. baselines.
+
+Run with ``.venv/bin/python bench/sandboxes.py [--runs 50]`` as root after
+``bash .ci/bootstrap``. All measurements come from the same run:
+
+- ``local`` and ``docker``: the Forkyard backends (one persistent shell per sandbox);
+- ``docker CLI``: raw ``docker run --rm`` / ``docker exec`` (the engine's own floor);
+- ``SWE-ReX``: its local deployment, a bash session, ``echo hi`` (the peer baseline),
+  installed only in ``bench/.venv-swerex`` (created on first use).
+
+Prints p50 and p95 in milliseconds and ratios against the baselines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sandboxes.backends import create_backend, docker_available  # noqa: E402
+from sandboxes.base import SandboxSpec  # noqa: E402
+from sandboxes.images import DEFAULT_IMAGE_CACHE, ensure_base_image  # noqa: E402
+
+SWEREX_VENV = ROOT / "bench" / ".venv-swerex"
+
+
+def pct(values: list[float], q: float) -> float:
+    """Return the q-quantile of ``values`` in milliseconds."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[idx] * 1000
+
+
+async def bench_backend(kind: str, runs: int, root: Path) -> dict[str, list[float]]:
+    """Time the backend contract operations ``runs`` times each."""
+    backend = create_backend(kind, node="bench", root_dir=root / kind)
+    image = await ensure_base_image(backend, DEFAULT_IMAGE_CACHE)
+    spec = SandboxSpec(image=image)
+    out: dict[str, list[float]] = {"create": [], "exec": [], "write": [], "destroy": []}
+    try:
+        warm = await backend.create(spec)
+        await backend.destroy(warm.id)
+        for _ in range(runs):
+            t = time.perf_counter()
+            info = await backend.create(spec)
+            out["create"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await backend.destroy(info.id)
+            out["destroy"].append(time.perf_counter() - t)
+        info = await backend.create(spec)
+        try:
+            for _ in range(5):
+                await backend.exec(info.id, "echo hi")
+            for i in range(runs):
+                t = time.perf_counter()
+                r = await backend.exec(info.id, "echo hi")
+                out["exec"].append(time.perf_counter() - t)
+                assert r.stdout == "hi\n", r
+            payload = b"x" * 1024
+            for i in range(runs):
+                t = time.perf_counter()
+                await backend.write_file(info.id, f"/tmp/bench-{i}", payload)
+                out["write"].append(time.perf_counter() - t)
+        finally:
+            await backend.destroy(info.id)
+    finally:
+        await backend.aclose()
+    return out
+
+
+def bench_docker_cli(image: str, runs: int) -> dict[str, list[float]]:
+    """Time raw ``docker run`` and ``docker exec`` through the CLI."""
+    out: dict[str, list[float]] = {"create": [], "exec": [], "write": [], "destroy": []}
+    docker = shutil.which("docker")
+    if docker is None:
+        return out
+    for _ in range(max(runs // 2, 10)):
+        t = time.perf_counter()
+        subprocess.run([docker, "run", "--rm", "--network", "none", image, "true"], check=True, capture_output=True)
+        out["create"].append(time.perf_counter() - t)
+    cid = subprocess.run(
+        [docker, "run", "-d", "--network", "none", image, "sleep", "3600"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    try:
+        for _ in range(runs):
+            t = time.perf_counter()
+            subprocess.run([docker, "exec", cid, "echo", "hi"], check=True, capture_output=True)
+            out["exec"].append(time.perf_counter() - t)
+        for i in range(max(runs // 2, 10)):
+            t = time.perf_counter()
+            subprocess.run(
+                [docker, "exec", "-i", cid, "sh", "-c", f"cat > /tmp/f{i}"], input=b"x" * 1024, check=True
+            )
+            out["write"].append(time.perf_counter() - t)
+    finally:
+        t = time.perf_counter()
+        subprocess.run([docker, "rm", "-f", cid], check=True, capture_output=True)
+        out["destroy"].append(time.perf_counter() - t)
+    return out
+
+
+def bench_swerex(runs: int) -> dict[str, list[float]]:
+    """Time SWE-ReX in its own virtualenv (created on first use)."""
+    py = SWEREX_VENV / "bin" / "python"
+    if not py.exists():
+        print("installing swe-rex into bench/.venv-swerex ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(SWEREX_VENV)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "swe-rex"], check=True)
+    proc = subprocess.run(
+        [str(py), str(ROOT / "bench" / "_swerex_probe.py"), str(runs)], capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode != 0:
+        print(proc.stderr[-2000:], file=sys.stderr)
+        return {}
+    # SWE-ReX logs to stdout too; the probe's result is the one JSON line.
+    data = json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
+    return {"create": data["start"] + data["session"], "exec": data["exec"], "write": data["write"], "destroy": []}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--skip-swerex", action="store_true")
+    args = parser.parse_args()
+
+    results: dict[str, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="forkyard-bench-") as tmp:
+        results["local"] = asyncio.run(bench_backend("local", args.runs, Path(tmp)))
+        if docker_available():
+            results["docker"] = asyncio.run(bench_backend("docker", args.runs, Path(tmp)))
+            from sandboxes.images import base_image_ref
+
+            results["docker CLI"] = bench_docker_cli(base_image_ref(), args.runs)
+    if not args.skip_swerex:
+        results["SWE-ReX"] = bench_swerex(args.runs)
+
+    ops = ["create", "exec", "write", "destroy"]
+    print(f"# bench/sandboxes.py — {time.strftime('%Y-%m-%d')} — {platform.node()} "
+          f"({os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}), runs={args.runs}")
+    print()
+    print("| backend | " + " | ".join(f"{op} p50 / p95 (ms)" for op in ops) + " |")
+    print("|---|" + "---|" * len(ops))
+    for name, data in results.items():
+        cells = []
+        for op in ops:
+            v = data.get(op, [])
+            cells.append(f"{pct(v, 0.5):.2f} / {pct(v, 0.95):.2f}" if v else "—")
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print()
+    print("Ratios (baseline p50 / Forkyard p50; >1 means Forkyard is faster):")
+    for ours in ("local", "docker"):
+        if ours not in results:
+            continue
+        for base in ("docker CLI", "SWE-ReX"):
+            if not results.get(base):
+                continue
+            parts = []
+            for op in ("create", "exec", "write"):
+                a, b = results[ours].get(op), results[base].get(op)
+                if a and b:
+                    parts.append(f"{op} {statistics.median(b) / statistics.median(a):.1f}x")
+            print(f"- {ours} vs {base}: " + ", ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
