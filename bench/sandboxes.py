@@ -128,7 +128,7 @@ def bench_swerex(runs: int) -> dict[str, list[float]]:
         return {}
     # SWE-ReX logs to stdout too; the probe's result is the one JSON line.
     data = json.loads(next(line for line in reversed(proc.stdout.splitlines()) if line.startswith("{")))
-    return {"create": data["start"] + data["session"], "exec": data["exec"], "write": data["write"], "destroy": []}
+    return {"create": data["create"], "exec": data["exec"], "write": data["write"], "destroy": []}
 
 
 def main() -> None:

@@ -27,6 +27,12 @@ class LiveGateway:
     node: str
     data_dir: Path
     log: Path
+    process: subprocess.Popen
+
+    def crash(self) -> None:
+        """SIGKILL the gateway's whole process group, as a crash or an OOM kill would."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
     def env(self) -> dict[str, str]:
         """Return os.environ plus FORKYARD_URL and FORKYARD_API_KEY for this gateway."""
@@ -67,7 +73,7 @@ def run_gateway(backend: str, data_dir: Path, *, node: str, timeout_s: float = 3
             time.sleep(0.2)
         if url is None or key is None:
             raise RuntimeError(f"forkyard up did not get ready in {timeout_s}s:\n{log.read_text()[-4000:]}")
-        yield LiveGateway(url=url, api_key=key, backend=backend, node=node, data_dir=data_dir, log=log)
+        yield LiveGateway(url=url, api_key=key, backend=backend, node=node, data_dir=data_dir, log=log, process=proc)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

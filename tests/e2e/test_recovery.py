@@ -1,0 +1,46 @@
+"""A gateway killed with open sessions leaves orphans; the next start reaps them."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+import forkyard
+from tests.conftest import leftover_sandboxes
+from tests.live import run_gateway
+
+ECHO_TASK = {
+    "name": "recovery-echo",
+    "files": {
+        "instruction.md": "Say hi.\n",
+        "task.toml": "[agent]\ntimeout_sec = 300\n",
+        "environment/Dockerfile": "FROM debian:bookworm\n",
+        "tests/test.sh": "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n",
+    },
+}
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_restart_after_a_crash_reaps_orphans_and_fails_open_sessions(backend, tmp_path):
+    node = f"e2e-crash-{backend}-{uuid.uuid4().hex[:6]}"
+    with run_gateway(backend, tmp_path, node=node) as gw:
+        with forkyard.Client(base_url=gw.url, api_key=gw.api_key) as client:
+            task = client.tasks.import_specs([ECHO_TASK])[0]
+            sessions = [client.sessions.create(task.id) for _ in range(2)]
+            sessions[0].step("bash", command="sleep 300 &")  # a busy sandbox, too
+        gw.crash()
+        assert len(leftover_sandboxes(backend, node, tmp_path)) == 2  # the crash left both behind
+
+    with run_gateway(backend, tmp_path, node=node) as gw:
+        assert leftover_sandboxes(backend, node, tmp_path) == []  # reaped at start
+        with forkyard.Client(base_url=gw.url, api_key=gw.api_key) as client:
+            for s in sessions:
+                info = client.sessions.get(s.id)
+                assert info.state == "failed" and "restarted" in info.error
+                with pytest.raises(forkyard.ConflictError):
+                    client.sessions.step(s.id, "bash", command="true")
+            assert [row for row in client.sandboxes.list() if row.state != "gone"] == []
+            # The node still works.
+            with client.sessions.create(task.id) as s:
+                assert s.submit().reward == 1.0
