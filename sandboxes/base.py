@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from sandboxes.errors import PathEscapeError
 
@@ -169,3 +170,24 @@ def normalize_sandbox_path(path: str, workdir: str = "/") -> str:
         parts.append(part)
         depth += 1
     return "/" + "/".join(parts)
+
+
+async def create_cancel_safe(
+    create: Coroutine[Any, Any, SandboxInfo], destroy: Callable[[str], Awaitable[None]]
+) -> SandboxInfo:
+    """Run a backend's ``create`` so that cancelling the caller never leaks the sandbox.
+
+    Engine calls run on in their threads after a cancel; a half-made sandbox would then
+    belong to nobody. The work runs as a shielded task: on cancel it is allowed to
+    finish, what it made is destroyed, and the cancellation goes on.
+    """
+    task = asyncio.ensure_future(create)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        try:
+            info = await task
+        except BaseException:  # it failed on its own and cleaned up after itself
+            raise asyncio.CancelledError from None
+        await asyncio.shield(destroy(info.id))
+        raise

@@ -65,6 +65,7 @@ from sandboxes.base import (
     SandboxInfo,
     SandboxSpec,
     SandboxState,
+    create_cancel_safe,
     normalize_sandbox_path,
 )
 from sandboxes.errors import (
@@ -74,7 +75,14 @@ from sandboxes.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
-from sandboxes.procs import child_pids, descendants, host_pid_of, kill_descendants_since, signal_pid, ticks_now
+from sandboxes.procs import (
+    child_pids,
+    descendants,
+    host_pid_of,
+    kill_descendants_since,
+    signal_pid,
+    ticks_now,
+)
 from sandboxes.shell import (
     ABORT_SIGNAL,
     SHELL_DIED_EXIT_CODE,
@@ -472,6 +480,9 @@ class DockerBackend:
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         """Start a container from ``spec.image`` and return once its shell answers."""
+        return await create_cancel_safe(self._create(spec), self.destroy)
+
+    async def _create(self, spec: SandboxSpec) -> SandboxInfo:
         self._check_open()
         for key in spec.env:
             if not _ENV_NAME.match(key):

@@ -53,6 +53,7 @@ from sandboxes.base import (
     SandboxInfo,
     SandboxSpec,
     SandboxState,
+    create_cancel_safe,
     normalize_sandbox_path,
 )
 from sandboxes.cgroups import (
@@ -69,8 +70,20 @@ from sandboxes.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
-from sandboxes.procs import child_pids, kill_descendants_since, signal_pid, start_ticks, ticks_now
-from sandboxes.shell import ABORT_SIGNAL, SHELL_DIED_EXIT_CODE, STDERR, STDOUT, ShellChannel
+from sandboxes.procs import (
+    child_pids,
+    kill_descendants_since,
+    signal_pid,
+    start_ticks,
+    ticks_now,
+)
+from sandboxes.shell import (
+    ABORT_SIGNAL,
+    SHELL_DIED_EXIT_CODE,
+    STDERR,
+    STDOUT,
+    ShellChannel,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -531,6 +544,9 @@ class LocalBackend:
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         """Mount an overlay of ``spec.image``, start its shell in new namespaces and a cgroup."""
+        return await create_cancel_safe(self._create(spec), self.destroy)
+
+    async def _create(self, spec: SandboxSpec) -> SandboxInfo:
         self._check_open()
         res = spec.resources
         if res.cpus <= 0 or res.memory_mb <= 0 or res.pids <= 0:

@@ -335,3 +335,17 @@ async def test_nothing_is_left_behind(backend, backend_root, created):
     assert {i.id for i in infos} <= set(created)
     assert not {i.id for i in infos} & {i.id for i in await backend.list()}
     assert find_leftovers(backend, backend_root, [i.id for i in infos]) == []
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.01, 0.05, 0.2])
+async def test_cancelled_create_leaves_nothing(backend, backend_root, delay_s):
+    task = asyncio.ensure_future(backend.create(SPEC))
+    await asyncio.sleep(delay_s)
+    task.cancel()
+    try:
+        info = await task
+    except asyncio.CancelledError:
+        pass
+    else:  # it finished before the cancel arrived: the caller owns it
+        await backend.destroy(info.id)
+    assert await backend.list() == []
