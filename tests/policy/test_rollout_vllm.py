@@ -1,0 +1,153 @@
+"""A managed rollout against a real vLLM server: token-exact episodes and weight versions.
+
+A recording proxy sits between the gateway and vLLM so the test knows exactly what the
+server returned for every turn; the episodes the gateway streams must carry those token
+ids and logprobs verbatim.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import forkyard
+from tests.live import ROOT, free_port, run_gateway
+from tests.policy.test_vllm_server import reload_weights, weight_version
+from workers.policy.chat_template import ChatTokenizer
+
+TASKS_DIR = ROOT / "examples" / "tasks" / "terminal"
+
+
+class RecordingProxy:
+    """Forward /inference/v1/generate to vLLM and keep every (request, response) pair."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.calls: list[tuple[dict, dict]] = []
+        self._client = httpx.AsyncClient(base_url=upstream, timeout=120)
+        app = Starlette(routes=[Route("/{path:path}", self.forward, methods=["GET", "POST"])])
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def forward(self, request: Request) -> Response:
+        body = await request.body()
+        upstream = await self._client.request(
+            request.method, "/" + request.path_params["path"], content=body,
+            headers={"content-type": request.headers.get("content-type", "application/json")},
+        )
+        if request.url.path == "/inference/v1/generate" and upstream.status_code == 200:
+            self.calls.append((await request.json(), upstream.json()))
+            return JSONResponse(upstream.json())
+        return Response(upstream.content, status_code=upstream.status_code, media_type="application/json")
+
+    def __enter__(self) -> RecordingProxy:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def stack(vllm_server, tmp_path_factory) -> Iterator[tuple[forkyard.Client, RecordingProxy]]:
+    data_dir = tmp_path_factory.mktemp("gw-vllm")
+    with RecordingProxy(vllm_server.base_url) as proxy, \
+            run_gateway("local", data_dir, node=f"vllm-{uuid.uuid4().hex[:6]}") as gw, \
+            forkyard.Client(base_url=gw.url, api_key=gw.api_key, timeout=300) as client:
+        yield client, proxy
+
+
+def policy_spec(proxy: RecordingProxy, vllm_server, tiny_models, name: str) -> dict:
+    return {
+        "name": name, "api": "tokens", "base_urls": [proxy.url], "model": vllm_server.model,
+        "tokenizer": str(tiny_models.primary),
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": 24, "seed": 0},
+    }
+
+
+def consume(client: forkyard.Client, rollout_id: str) -> list:
+    episodes = []
+    for batch in client.rollouts.stream(rollout_id, consumer="trainer", batch_size=8):
+        episodes.extend(batch)
+        batch.ack()
+    return episodes
+
+
+def test_rollout_is_token_exact_against_vllm(stack, vllm_server, tiny_models):
+    client, proxy = stack
+    tasks = client.tasks.import_dir(TASKS_DIR)
+    rollout = client.rollouts.create(
+        tasks={"ids": [t.id for t in tasks]}, group_size=4,
+        policy=policy_spec(proxy, vllm_server, tiny_models, "tiny"),
+        agent={"max_turns": 2}, limits={"episode_timeout_s": 300, "step_timeout_s": 120}, concurrency=8,
+    )
+    episodes = consume(client, rollout.id)
+    assert len(episodes) == len(tasks) * 4
+    assert client.rollouts.get(rollout.id).status == "completed"
+
+    tokenizer = ChatTokenizer(tiny_models.primary)
+    def replies_of(episode_id: str) -> list[dict]:
+        # Request ids are "<episode id>-<n>"; the proxy saw them in call order.
+        return [resp["choices"][0] for req, resp in proxy.calls if req["request_id"].startswith(episode_id + "-")]
+
+    for ep in episodes:
+        assert sum(ep.loss_mask) == len(ep.logprobs) > 0
+        assert len(ep.input_ids) == len(ep.loss_mask)
+        assert ep.weight_versions and set(ep.weight_versions) == {0}
+        detail = client.episodes.get(ep.episode_id, tokens=True)
+        sampled = []
+        replies = replies_of(ep.episode_id)
+        assert len(replies) == len(detail.steps)
+        for step, reply in zip(detail.steps, replies):
+            assert step.completion_ids == reply["token_ids"]
+            assert step.logprobs == [c["logprob"] for c in reply["logprobs"]["content"]]
+            assert tokenizer.decode(step.completion_ids, skip_special_tokens=True) == step.text
+            sampled += step.completion_ids
+        # loss_mask marks exactly the sampled tokens, in order.
+        assert [t for t, m in zip(ep.input_ids, ep.loss_mask) if m] == sampled
+        # The whole sequence decodes to the conversation: prompt, instruction, each observation.
+        text = tokenizer.decode(ep.input_ids)
+        assert detail.messages[1]["content"] in text
+        for step in detail.steps:
+            assert step.observation in text
+
+
+def test_weight_reload_and_announce_stamp_later_turns(stack, vllm_server, tiny_models):
+    client, proxy = stack
+    task = next(iter(client.tasks.list(name="edit-config")))
+    http = httpx.Client(base_url=vllm_server.base_url, timeout=60)
+    original = weight_version(http)
+    try:
+        reload_weights(http, str(tiny_models.second), "1")
+        client.policies.set_version("tiny-reload", 1)
+        rollout = client.rollouts.create(
+            tasks={"ids": [task.id]}, group_size=2, policy=policy_spec(proxy, vllm_server, tiny_models, "tiny-reload"),
+            agent={"max_turns": 2},
+        )
+        episodes = consume(client, rollout.id)
+    finally:
+        reload_weights(http, str(tiny_models.primary), original)
+        http.close()
+    assert len(episodes) == 2
+    for ep in episodes:
+        assert set(ep.weight_versions) == {1}
+        assert all(s.weight_version == 1 for s in client.episodes.get(ep.episode_id).steps)

@@ -1,0 +1,151 @@
+"""A policy with no model: replay a fixed list of tool calls (tests, demos, SFT data).
+
+The actions come from a rollout's ``policy.actions`` (``[{"tool": ..., "arguments":
+{...}}, ...]``) or from a task's oracle: one ``bash`` call running the task's
+``solution/solve.sh`` through a quoted heredoc, then ``submit``. Each action is
+emitted as assistant text in the agent's tool-call format, so the runner parses it
+with the same parser it uses for a model. Each episode replays the list from its
+start.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from workers.policy.base import Generation, PolicyError, Sampling
+from workers.policy.toolcalls import TOOL_CALL_FORMATS, format_tool_call
+
+if TYPE_CHECKING:
+    from workers.policy.chat_template import ChatTokenizer
+    from workers.tasks import TerminalTask
+
+SCRIPTED_SERVER = "scripted"
+ORACLE_DELIMITER = "FORKYARD_ORACLE"
+
+
+def oracle_actions(task: TerminalTask) -> list[dict[str, Any]]:
+    """Return the oracle's actions for ``task``: bash running ``solution/solve.sh`` via a heredoc, then submit.
+
+    Raises:
+        PolicyError: the task ships no ``solution/solve.sh``.
+    """
+    script = task.solution_files.get("solve.sh")
+    if script is None:
+        raise PolicyError(f"task {task.name!r} has no oracle (solution/solve.sh) for the scripted policy to replay")
+    try:
+        source = script.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError(f"task {task.name!r}: solution/solve.sh is not UTF-8 text") from exc
+    if not source.endswith("\n"):
+        source += "\n"
+    lines = set(source.splitlines())
+    delimiter = ORACLE_DELIMITER
+    n = 0
+    while delimiter in lines:  # a script that contains the delimiter line would end the heredoc early
+        n += 1
+        delimiter = f"{ORACLE_DELIMITER}_{n}"
+    command = f"bash <<'{delimiter}'\n{source}{delimiter}"
+    return [
+        {"tool": "bash", "arguments": {"command": command, "timeout": task.agent_timeout_s}},
+        {"tool": "submit", "arguments": {}},
+    ]
+
+
+def _check_actions(actions: Any) -> list[dict[str, Any]]:
+    if not isinstance(actions, Sequence) or isinstance(actions, (str, bytes)) or not actions:
+        raise PolicyError("the scripted policy needs a non-empty list of actions [{\"tool\", \"arguments\"}, ...]")
+    checked = []
+    for i, action in enumerate(actions):
+        if not isinstance(action, Mapping) or not isinstance(action.get("tool"), str) or not action["tool"]:
+            raise PolicyError(f"scripted action {i} must be an object with a \"tool\" name, got {action!r}")
+        arguments = action.get("arguments") or {}
+        if not isinstance(arguments, Mapping):
+            raise PolicyError(f"scripted action {i} ({action['tool']!r}) has arguments that are not an object")
+        checked.append({"tool": action["tool"], "arguments": dict(arguments)})
+    return checked
+
+
+class ScriptedPolicy:
+    """Replay fixed tool calls, one per turn, from the start for every episode."""
+
+    api = "scripted"
+
+    def __init__(
+        self,
+        actions: Sequence[Mapping[str, Any]],
+        *,
+        tool_call_format: str = "hermes",
+        tokenizer: ChatTokenizer | None = None,
+    ) -> None:
+        """Replay ``actions``; with a ``tokenizer`` each turn also carries token ids (for SFT data).
+
+        Raises:
+            PolicyError: the actions are not a non-empty list of ``{"tool", "arguments"}``.
+        """
+        if tool_call_format not in TOOL_CALL_FORMATS:
+            raise PolicyError(f"unknown tool_call_format {tool_call_format!r}")
+        self.actions = _check_actions(actions)
+        self.tool_call_format = tool_call_format
+        self.tokenizer = tokenizer
+        self._cursor: dict[str, int] = {}
+
+    @classmethod
+    def from_task(
+        cls, task: TerminalTask, *, tool_call_format: str = "hermes", tokenizer: ChatTokenizer | None = None
+    ) -> ScriptedPolicy:
+        """Replay ``task``'s oracle."""
+        return cls(oracle_actions(task), tool_call_format=tool_call_format, tokenizer=tokenizer)
+
+    async def generate(
+        self,
+        *,
+        episode_id: str,
+        prompt_ids: list[int] | None,
+        messages: list[dict],
+        tools: list[dict],
+        sampling: Sampling,
+    ) -> Generation:
+        """Return the episode's next action as assistant text.
+
+        Raises:
+            PolicyError: the episode has used every action.
+        """
+        started = time.monotonic()
+        index = self._cursor.get(episode_id, 0)
+        if index >= len(self.actions):
+            raise PolicyError(
+                f"the scripted policy has no action left for episode {episode_id} after {len(self.actions)}",
+                server=SCRIPTED_SERVER,
+            )
+        self._cursor[episode_id] = index + 1
+        action = self.actions[index]
+        text = format_tool_call(action["tool"], action["arguments"], self.tool_call_format)
+        token_ids = logprobs = None
+        if self.tokenizer is not None:
+            # Scripted text is not sampled, so tokenizing it is the only way to get ids; a
+            # deterministic policy gives each of its tokens probability 1 (logprob 0).
+            token_ids = [*self.tokenizer.encode(text), self.tokenizer.end_of_turn_id]
+            logprobs = [0.0] * len(token_ids)
+        return Generation(
+            text=text,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            prompt_token_ids=list(prompt_ids) if prompt_ids is not None else None,
+            finish_reason="stop",
+            weight_version=None,
+            server=SCRIPTED_SERVER,
+            latency_s=time.monotonic() - started,
+        )
+
+    def release(self, episode_id: str) -> None:
+        """Forget the episode's position in the script; idempotent."""
+        self._cursor.pop(episode_id, None)
+
+    async def aclose(self) -> None:
+        """Nothing to close."""
+        self._cursor.clear()
+
+
+__all__ = ["ORACLE_DELIMITER", "ScriptedPolicy", "oracle_actions"]
