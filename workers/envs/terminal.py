@@ -207,6 +207,16 @@ class TerminalEnv:
             names = ", ".join(t["function"]["name"] for t in TOOLS)
             raise ActionError(f"unknown tool {tool!r}; the tools are: {names}")
 
+    async def truncate(self, reason: str) -> StepResult:
+        """End the episode early (max turns, a rollout's episode timeout): verify, truncated=True.
+
+        Raises:
+            SessionClosedError: the episode has already ended or the env is closed.
+        """
+        async with self._lock:
+            self._check_open()
+            return await self._finish(f"[episode ended: {reason}]\n", truncated=True)
+
     async def run_oracle(self) -> StepResult:
         """Copy ``solution/`` to /solution, run ``solve.sh`` from the workdir, then submit.
 

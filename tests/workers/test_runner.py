@@ -1,0 +1,95 @@
+"""The episode runner on a real backend with scripted policies and a misbehaving server."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from sandboxes.backends import create_backend
+from workers.policy import create_policy_client
+from workers.policy.base import Sampling
+from workers.runner import AgentSettings, StageLimits, run_episode
+from workers.runtime import WorkerRuntime
+from workers.tasks import load_task_dir
+from tests.conftest import base_image
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "terminal"
+TASK = load_task_dir(EXAMPLES / "count-log-errors")
+
+
+@pytest.fixture(scope="module", params=["local", "docker"])
+async def runtime(request):
+    root = Path(tempfile.mkdtemp(prefix="forkyard-runner-"))
+    backend = create_backend(request.param, node=f"test-runner-{uuid.uuid4().hex[:8]}", root_dir=root)
+    rt = WorkerRuntime(backend, image_cache_dir=Path("/var/cache/forkyard/images"), base_image=await base_image(backend))
+    try:
+        yield rt
+    finally:
+        left = await backend.list()
+        await rt.aclose()
+        shutil.rmtree(root, ignore_errors=True)
+        assert left == [], "the runner left sandboxes behind"
+
+
+async def run(runtime, policy_spec, *, max_turns=5, **kw):
+    policy = create_policy_client(policy_spec, task=TASK)
+    steps = []
+
+    async def on_step(step):
+        steps.append(step)
+
+    versions = iter(range(100))
+
+    async def version_of():
+        return next(versions)
+
+    try:
+        result = await run_episode(
+            episode_id=f"ep_{uuid.uuid4().hex[:8]}", task=TASK, runtime=runtime, policy=policy,
+            settings=AgentSettings(max_turns=max_turns, **kw), sampling=Sampling(), stages=StageLimits(),
+            version_of=version_of, on_step=on_step,
+        )
+    finally:
+        await policy.aclose()
+    return result, steps
+
+
+async def test_oracle_completes_with_reward_one(runtime):
+    result, steps = await run(runtime, {"api": "scripted"})
+    assert (result.status, result.termination, result.reward, result.error) == ("completed", "submitted", 1.0, None)
+    assert [s.action["tool"] for s in steps] == ["bash", "submit"]
+    assert steps == result.steps
+    assert result.weight_versions == [0, 1]  # each turn stamped with the announced version
+    assert {"setup_s", "agent_s", "verify_s", "total_s"} <= set(result.timings)
+    assert result.messages[0]["role"] == "system" and result.messages[1]["content"] == TASK.instruction
+
+
+async def test_wrong_answer_scores_zero(runtime):
+    actions = [{"tool": "bash", "arguments": {"command": "echo 0 > /tmp/answer"}}, {"tool": "submit", "arguments": {}}]
+    result, _ = await run(runtime, {"api": "scripted", "actions": actions})
+    assert (result.status, result.reward) == ("completed", 0.0)
+
+
+async def test_max_turns_truncates_and_still_verifies(runtime):
+    actions = [{"tool": "bash", "arguments": {"command": "true"}}] * 3
+    result, steps = await run(runtime, {"api": "scripted", "actions": actions}, max_turns=2)
+    assert (result.status, result.termination, len(steps)) == ("truncated", "max_turns", 2)
+    assert result.reward == 0.0
+
+
+async def test_unknown_tool_is_an_observation_not_a_crash(runtime):
+    actions = [{"tool": "rm_rf", "arguments": {}}, {"tool": "submit", "arguments": {}}]
+    result, steps = await run(runtime, {"api": "scripted", "actions": actions})
+    assert "unknown tool" in steps[0].observation
+    assert result.status == "completed"
+
+
+async def test_unreachable_server_fails_the_episode_visibly(runtime):
+    spec = {"api": "chat", "base_urls": ["http://127.0.0.1:9"], "model": "m"}
+    result, _ = await run(runtime, spec)
+    assert result.status == "failed" and result.termination == "error"
+    assert "127.0.0.1:9" in result.error

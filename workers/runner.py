@@ -1,0 +1,393 @@
+"""The multi-turn episode runner: prompt, policy call, tool calls, observation, verify.
+
+Plain async code (no Celery, no database): the gateway's dispatcher calls
+:func:`run_episode` and persists what it returns and reports step by step.
+
+Token bookkeeping for the ``tokens`` policy follows DESIGN.md's fidelity rule: the
+runner renders the chat template locally (:class:`ChatTokenizer`), appends the sampled
+token ids exactly as the server returned them, and appends only the tokens of each
+observation turn. Sampled text is decoded for parsing, never re-tokenized. Each
+:class:`StepRecord` holds the tokens appended *before* its generation (``prompt_ids``,
+loss 0) and the sampled ones (``completion_ids``, loss 1), so the training view of an
+episode is the concatenation of its steps.
+
+Setup (image build + sandbox start), the agent loop and verification take separate
+:class:`StageLimits` semaphores so a burst of slow setups never idles the policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sandboxes.base import LABEL_OWNER
+from sandboxes.errors import SandboxError
+from workers.errors import ActionError, ImageBuildError, WorkerError
+from workers.policy.base import Generation, PolicyClient, PolicyError, Sampling
+from workers.policy.toolcalls import ToolCallParseError, parse_tool_calls
+
+if TYPE_CHECKING:
+    from workers.policy.chat_template import ChatTokenizer
+    from workers.runtime import StepResult, WorkerRuntime
+    from workers.tasks import TerminalTask
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are an agent working in a Linux shell. Use the bash tool to inspect and change the "
+    "system, and call submit when the task is done. Call exactly one tool per turn."
+)
+
+
+@dataclass
+class StageLimits:
+    """Concurrency limits of the three stages of an episode."""
+
+    setup: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(4))
+    agent: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(32))
+    verify: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(4))
+
+    @classmethod
+    def of(cls, *, setup: int, agent: int, verify: int) -> StageLimits:
+        """Build limits from three counts."""
+        return cls(asyncio.Semaphore(setup), asyncio.Semaphore(agent), asyncio.Semaphore(verify))
+
+
+@dataclass
+class StepRecord:
+    """One policy turn: the exact LLM call, the action it produced and what came back."""
+
+    index: int
+    parent_index: int | None
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    weight_version: int | None
+    finish_reason: str
+    text: str
+    action: dict[str, Any] | None
+    parse_error: str | None
+    observation: str
+    reward: float | None
+    timings: dict[str, float]
+    server: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the record as plain JSON-able data."""
+        return asdict(self)
+
+
+@dataclass
+class EpisodeResult:
+    """How an episode ended, with everything needed to store and train on it."""
+
+    status: str  # completed | truncated | failed
+    termination: str  # submitted | max_turns | timeout | error | cancelled
+    reward: float | None
+    error: str | None
+    steps: list[StepRecord]
+    messages: list[dict[str, Any]]
+    timings: dict[str, float]
+    weight_versions: list[int]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AgentSettings:
+    """The rollout's ``agent`` and ``limits`` sections."""
+
+    max_turns: int = 20
+    system_prompt: str | None = None
+    tool_call_format: str = "hermes"
+    episode_timeout_s: float = 600.0
+    step_timeout_s: float = 60.0
+
+    @classmethod
+    def from_spec(cls, agent: dict[str, Any] | None, limits: dict[str, Any] | None) -> AgentSettings:
+        """Build settings from the rollout spec's ``agent`` and ``limits`` dicts."""
+        agent, limits = agent or {}, limits or {}
+        return cls(
+            max_turns=int(agent.get("max_turns", 20)),
+            system_prompt=agent.get("system_prompt"),
+            tool_call_format=agent.get("tool_call_format", "hermes"),
+            episode_timeout_s=float(limits.get("episode_timeout_s", 600.0)),
+            step_timeout_s=float(limits.get("step_timeout_s", 60.0)),
+        )
+
+
+class _Episode:
+    """Mutable state of one running episode (messages, token cursor, steps)."""
+
+    def __init__(self, tokenizer: ChatTokenizer | None, tools: list[dict[str, Any]]) -> None:
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.messages: list[dict[str, Any]] = []
+        self.steps: list[StepRecord] = []
+        self.pending_prompt: list[int] = []  # tokens to append before the next generation
+        self.context_ids: list[int] = []  # every token so far (prompt + sampled + observations)
+        self.versions: list[int] = []
+        self.token_exact = True
+
+    def start(self, messages: list[dict[str, Any]]) -> None:
+        self.messages = list(messages)
+        if self.tokenizer is not None:
+            self.pending_prompt = self.tokenizer.initial_prompt_ids(self.messages, self.tools)
+
+    def prompt_for_call(self) -> list[int] | None:
+        """Return the full token context to send (tokens API), or None (chat API)."""
+        if self.tokenizer is None:
+            return None
+        return self.context_ids + self.pending_prompt
+
+    def record_generation(self, gen: Generation) -> tuple[list[int], list[int], list[float]]:
+        """Fold a generation into the token context; return (prompt_ids, completion_ids, logprobs)."""
+        completion = list(gen.token_ids or [])
+        logprobs = list(gen.logprobs or [])
+        if self.tokenizer is not None:
+            prompt = self.pending_prompt
+        elif gen.prompt_token_ids is not None:
+            # Chat API: the server rendered the prompt. Keep only what it added since the
+            # last turn; if it re-rendered the past differently the episode is not token-exact.
+            seen = gen.prompt_token_ids
+            if seen[: len(self.context_ids)] == self.context_ids:
+                prompt = list(seen[len(self.context_ids) :])
+            else:
+                self.token_exact = False
+                prompt = list(seen)
+                self.context_ids = []
+        else:
+            prompt = []
+            self.token_exact = False
+        self.context_ids += prompt + completion
+        self.pending_prompt = []
+        return prompt, completion, logprobs
+
+    def add_observation(self, new_messages: list[dict[str, Any]], *, completion_ended: bool) -> None:
+        history = self.messages
+        self.messages = history + new_messages
+        if self.tokenizer is not None:
+            self.pending_prompt = self.tokenizer.observation_ids(
+                history, new_messages, self.tools, completion_ended=completion_ended
+            )
+
+
+async def run_episode(
+    *,
+    episode_id: str,
+    task: TerminalTask,
+    runtime: WorkerRuntime,
+    policy: PolicyClient,
+    settings: AgentSettings,
+    sampling: Sampling,
+    tokenizer: ChatTokenizer | None = None,
+    stages: StageLimits | None = None,
+    version_of: Callable[[], Awaitable[int]] | None = None,
+    gate: Callable[[], Awaitable[None]] | None = None,
+    on_step: Callable[[StepRecord], Awaitable[None]] | None = None,
+    labels: dict[str, str] | None = None,
+) -> EpisodeResult:
+    """Run one episode of ``task`` with ``policy`` to the end; never raises for episode failures.
+
+    Args:
+        version_of: the policy's announced weight version, stamped on turns whose
+            server reports none.
+        gate: awaited before every policy call (blocks while the trainer paused dispatch).
+        on_step: called with each step as soon as it is complete (for live progress).
+    """
+    from workers.envs.terminal import TOOLS, TerminalEnv
+
+    stages = stages or StageLimits()
+    started = time.monotonic()
+    timings: dict[str, float] = {}
+    state = _Episode(tokenizer, list(TOOLS))
+    env: TerminalEnv | None = None
+
+    def result(status: str, termination: str, *, reward: float | None = None, error: str | None = None,
+               info: dict[str, Any] | None = None) -> EpisodeResult:
+        timings["total_s"] = time.monotonic() - started
+        return EpisodeResult(
+            status=status,
+            termination=termination,
+            reward=reward,
+            error=error,
+            steps=state.steps,
+            messages=state.messages,
+            timings=dict(timings),
+            weight_versions=list(state.versions),
+            info={"token_exact": state.token_exact, **(info or {})},
+        )
+
+    try:
+        t = time.monotonic()
+        async with stages.setup:
+            image = await runtime.task_image(task)
+            env = TerminalEnv(
+                task, runtime.backend, image=image,
+                labels={LABEL_OWNER: episode_id, "forkyard.task": task.name, **(labels or {})},
+            )
+            instruction = await env.reset()
+        timings["setup_s"] = time.monotonic() - t
+        messages = [{"role": "system", "content": settings.system_prompt or DEFAULT_SYSTEM_PROMPT},
+                    {"role": "user", "content": instruction}]
+        state.start(messages)
+
+        t = time.monotonic()
+        deadline = started + settings.episode_timeout_s
+        async with stages.agent:
+            outcome = await _agent_loop(
+                episode_id=episode_id, env=env, policy=policy, settings=settings, sampling=sampling,
+                state=state, deadline=deadline, stages=stages, version_of=version_of, gate=gate, on_step=on_step,
+            )
+        timings["agent_s"] = time.monotonic() - t - outcome.verify_s
+        timings["verify_s"] = outcome.verify_s
+        final = outcome.final
+        status = "completed" if final.terminated else "truncated"
+        info = {k: v for k, v in final.info.items() if k in ("reward_details", "verifier_error")}
+        return result(status, outcome.termination, reward=final.reward, info=info)
+    except PolicyError as exc:
+        return result("failed", "error", error=f"policy: {exc}")
+    except (ImageBuildError, SandboxError, WorkerError) as exc:
+        return result("failed", "error", error=f"{type(exc).__name__}: {exc}")
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # an episode never takes the rollout down with it
+        logger.exception("episode %s failed unexpectedly", episode_id)
+        return result("failed", "error", error=f"internal error: {type(exc).__name__}: {exc}")
+    finally:
+        release = getattr(policy, "release", None)
+        if release is not None:
+            release(episode_id)
+        if env is not None:
+            try:
+                await env.close()
+            except Exception:
+                logger.exception("episode %s: closing its sandbox failed", episode_id)
+
+
+@dataclass
+class _Outcome:
+    final: StepResult
+    termination: str
+    verify_s: float
+
+
+async def _agent_loop(
+    *,
+    episode_id: str,
+    env: Any,
+    policy: PolicyClient,
+    settings: AgentSettings,
+    sampling: Sampling,
+    state: _Episode,
+    deadline: float,
+    stages: StageLimits,
+    version_of: Callable[[], Awaitable[int]] | None,
+    gate: Callable[[], Awaitable[None]] | None,
+    on_step: Callable[[StepRecord], Awaitable[None]] | None,
+) -> _Outcome:
+    verify_s = 0.0
+
+    async def finish(termination: str, reason: str) -> _Outcome:
+        nonlocal verify_s
+        t = time.monotonic()
+        async with stages.verify:
+            final = await env.truncate(reason)
+        verify_s += time.monotonic() - t
+        return _Outcome(final, termination, verify_s)
+
+    for turn in range(settings.max_turns):
+        if time.monotonic() >= deadline:
+            return await finish("timeout", f"episode timeout of {settings.episode_timeout_s:g}s reached")
+        if gate is not None:
+            await gate()
+        t = time.monotonic()
+        budget = max(0.1, min(settings.step_timeout_s, deadline - t))
+        try:
+            gen = await asyncio.wait_for(
+                policy.generate(
+                    episode_id=episode_id, prompt_ids=state.prompt_for_call(), messages=state.messages,
+                    tools=state.tools, sampling=sampling,
+                ),
+                budget,
+            )
+        except asyncio.TimeoutError:
+            raise PolicyError(f"no answer from the policy within {budget:.3g}s (turn {turn})") from None
+        policy_s = time.monotonic() - t
+        version = gen.weight_version
+        if version is None and version_of is not None:
+            version = await version_of()
+        if version is not None:
+            state.versions.append(version)
+        prompt_ids, completion_ids, logprobs = state.record_generation(gen)
+        if completion_ids and logprobs and len(completion_ids) != len(logprobs):
+            raise PolicyError(
+                f"{gen.server} returned {len(completion_ids)} token ids but {len(logprobs)} logprobs"
+            )
+
+        t = time.monotonic()
+        action: dict[str, Any] | None = None
+        parse_error: str | None = None
+        step_result: StepResult | None = None
+        try:
+            calls = parse_tool_calls(gen.text, fmt=settings.tool_call_format)
+            if not calls:
+                raise ToolCallParseError(
+                    "no tool call found; answer with exactly one tool call such as "
+                    '<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
+                )
+            action = {"tool": calls[0]["name"], "arguments": calls[0]["arguments"]}
+        except ToolCallParseError as exc:
+            parse_error = str(exc)
+        if action is not None:
+            arguments = dict(action["arguments"] or {}) if isinstance(action["arguments"], dict) else action["arguments"]
+            if action["tool"] == "bash" and isinstance(arguments, dict):
+                wanted = arguments.get("timeout")
+                cap = max(1.0, min(settings.step_timeout_s, deadline - time.monotonic()))
+                arguments["timeout"] = min(float(wanted), cap) if isinstance(wanted, (int, float)) else cap
+            try:
+                if action["tool"] == "submit":
+                    tv = time.monotonic()
+                    async with stages.verify:
+                        step_result = await env.step("submit", arguments)
+                    verify_s += time.monotonic() - tv
+                else:
+                    step_result = await env.step(action["tool"], arguments)
+                observation = step_result.observation
+            except ActionError as exc:
+                observation = f"[error: {exc}]"
+        else:
+            observation = f"[error: could not parse a tool call: {parse_error}]"
+        env_s = time.monotonic() - t
+
+        completion_ended = bool(completion_ids) and gen.finish_reason == "stop"
+        state.messages.append({"role": "assistant", "content": gen.text})
+        tool_name = action["tool"] if action else "error"
+        step = StepRecord(
+            index=turn,
+            parent_index=turn - 1 if turn else None,
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            logprobs=logprobs,
+            weight_version=version,
+            finish_reason=gen.finish_reason,
+            text=gen.text,
+            action=action,
+            parse_error=parse_error,
+            observation=observation,
+            reward=step_result.reward if step_result is not None else None,
+            timings={"policy_s": policy_s, "env_s": env_s},
+            server=gen.server,
+        )
+        state.steps.append(step)
+        if on_step is not None:
+            await on_step(step)
+        if step_result is not None and (step_result.terminated or step_result.truncated):
+            return _Outcome(step_result, "submitted" if step_result.terminated else "timeout", verify_s)
+        state.add_observation(
+            [{"role": "tool", "name": tool_name, "content": observation}], completion_ended=completion_ended
+        )
+    return await finish("max_turns", f"max turns ({settings.max_turns}) reached")
