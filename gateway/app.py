@@ -15,8 +15,12 @@ from gateway.auth.dependencies import require_api_key
 from gateway.db import check_database, create_engine, create_sessionmaker, redact_database_url, upgrade_database
 from gateway.environments import service as environments_service
 from gateway.environments.router import router as environments_router
+from gateway.episodes.router import router as episodes_router
 from gateway.errors import install_error_handlers
 from gateway.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
+from gateway.rollouts.dispatch import Dispatcher
+from gateway.policies.router import router as policies_router
+from gateway.rollouts.router import router as rollouts_router
 from gateway.sandboxes.router import router as sandboxes_router
 from gateway.sessions import service as sessions_service
 from gateway.sessions.router import router as sessions_router
@@ -76,6 +80,7 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
         app.state.sessionmaker = sessionmaker
         app.state.runtime = None
         rt = runtime
+        dispatcher: Dispatcher | None = None
         ready = False
         try:
             async with sessionmaker() as db_session:
@@ -90,6 +95,9 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
             async with sessionmaker() as db_session:
                 await sessions_service.recover_node(db_session=db_session, runtime=rt, node=settings.node)
             app.state.runtime = rt
+            dispatcher = Dispatcher(sessionmaker=sessionmaker, runtime=rt, node=settings.node)
+            await dispatcher.start()
+            app.state.dispatcher = dispatcher
             logger.info("gateway ready: node %s, database %s", settings.node, redact_database_url(url))
             ready = True
             yield
@@ -100,6 +108,9 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
         finally:
             app.state.runtime = None
             try:
+                if dispatcher is not None:
+                    # Episodes still running stay `running` in the DB and are requeued at the next start.
+                    await dispatcher.aclose()
                 if rt is not None:
                     try:
                         async with sessionmaker() as db_session:
@@ -117,7 +128,7 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
     app = FastAPI(
         title="Forkyard",
         version=API_VERSION,
-        description="Rollout-as-a-service gateway for agentic RL: tasks, sessions and sandboxes.",
+        description="Rollout-as-a-service gateway for agentic RL: tasks, sessions, sandboxes, rollouts and episodes.",
         lifespan=lifespan,
     )
     app.state.settings = settings
@@ -132,7 +143,8 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
         return {"status": "ok"}
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
-    for router in (environments_router, tasks_router, sessions_router, sandboxes_router):
+    for router in (environments_router, tasks_router, sessions_router, sandboxes_router, rollouts_router,
+                   episodes_router, policies_router):
         v1.include_router(router)
     app.include_router(v1)
     return app

@@ -3,8 +3,14 @@
 from gateway.auth.models import ApiKey
 from gateway.db import Base
 from gateway.environments.models import Environment, EnvironmentFamily
+from gateway.episodes.models import Episode, EpisodeStep
+from gateway.policies.models import Policy
+from gateway.rollouts.models import DeliveryConsumer, DeliveryLease, EpisodeGroup, Rollout
 from gateway.sandboxes.models import Sandbox
 from gateway.sessions.models import EnvSession, SessionState
 from gateway.tasks.models import Task
 
-__all__ = ["ApiKey", "Base", "EnvSession", "Environment", "EnvironmentFamily", "Sandbox", "SessionState", "Task"]
+__all__ = [
+    "ApiKey", "Base", "DeliveryConsumer", "DeliveryLease", "EnvSession", "Environment", "EnvironmentFamily", "Episode",
+    "EpisodeGroup", "EpisodeStep", "Policy", "Rollout", "Sandbox", "SessionState", "Task",
+]

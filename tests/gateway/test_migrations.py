@@ -23,7 +23,8 @@ from tests.gateway.conftest import FakeRuntime, asgi_client, make_settings, task
 
 ROOT = Path(__file__).resolve().parents[2]
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
-TABLES = {"api_key", "environment", "task", "session", "sandbox", "alembic_version"}
+TABLES = {"api_key", "environment", "task", "session", "sandbox", "alembic_version", "policy", "rollout",
+          "episode_group", "episode", "episode_step", "delivery_consumer", "delivery_lease"}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,36 @@ def test_upgrade_head_matches_models_and_downgrades(backend, tmp_path, request):
     engine.dispose()
     upgrade_database(url)
     assert_schema_matches_models(url)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_rollouts_revision_upgrades_a_0001_database_with_data_and_downgrades(backend, tmp_path, request):
+    url = f"sqlite:///{tmp_path / 'r.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
+    cfg = alembic_config(url)
+    if backend == "postgresql":
+        command.downgrade(cfg, "base")  # the module's database may be at head already
+    command.upgrade(cfg, "0001")
+    engine = create_engine(sync_database_url(url))
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO environment (id, name, family, version, description, created_at) "
+                "VALUES ('env_1', 'terminal-m', 'terminal', '1', '', CURRENT_TIMESTAMP)")
+        command.upgrade(cfg, "0002")
+        with engine.connect() as conn:
+            names = set(inspect(conn).get_table_names())
+            assert {"rollout", "episode", "episode_step", "delivery_lease", "policy"} <= names
+            assert conn.exec_driver_sql("SELECT name FROM environment").scalars().all() == ["terminal-m"]
+        assert_schema_matches_models(url)
+        command.downgrade(cfg, "0001")
+        with engine.connect() as conn:
+            names = set(inspect(conn).get_table_names())
+            assert not names & {"rollout", "episode_group", "episode", "episode_step", "delivery_consumer",
+                                "delivery_lease", "policy"}
+            assert conn.exec_driver_sql("SELECT name FROM environment").scalars().all() == ["terminal-m"]
+        command.downgrade(cfg, "base")
+    finally:
+        engine.dispose()
 
 
 def test_alembic_cli_uses_forkyard_database_url(tmp_path):

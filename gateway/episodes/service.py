@@ -1,0 +1,561 @@
+"""Episode lifecycle (queued -> running -> final), group release, reads and the training view.
+
+The dispatcher (``gateway/rollouts/dispatch.py``) drives episodes through
+:func:`list_queued_episodes`, :func:`mark_episode_running`, :func:`record_step` and
+:func:`finish_episode`; :func:`requeue_interrupted` repairs what a crash left running.
+
+Locking: every write that can change a rollout's episodes, groups or status first locks
+the rollout row with an UPDATE (on SQLite that takes the database write lock, on
+PostgreSQL the row lock), so finishes, cancels, restarts and staleness drops of one
+rollout apply one at a time and each sees what the previous one committed. Lock order
+everywhere: delivery consumer -> rollout -> episodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.db import new_id, utcnow
+from gateway.episodes.models import Episode, EpisodeStep
+from gateway.errors import NotFoundError
+from gateway.pagination import page_of, paginate
+from gateway.policies import service as policies_service
+from gateway.rollouts.events import rollout_events
+from gateway.rollouts.models import (
+    ACTIVE_EPISODE_STATUSES,
+    FINAL_EPISODE_STATUSES,
+    FINAL_ROLLOUT_STATUSES,
+    USABLE_EPISODE_STATUSES,
+    EpisodeGroup,
+    EpisodeStatus,
+    GroupMode,
+    Rollout,
+    RolloutStatus,
+    StalenessAction,
+    Termination,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Longest error text kept on an episode row.
+MAX_ERROR_CHARS = 4000
+#: The error of an episode a gateway restart cut short.
+INTERRUPTED_ERROR = "interrupted by a gateway restart"
+#: The StepRecord fields :func:`record_step` stores.
+STEP_FIELDS = ("index", "parent_index", "prompt_ids", "completion_ids", "logprobs", "weight_version",
+               "finish_reason", "text", "action", "parse_error", "observation", "reward", "timings", "server")
+
+
+def _error_text(error: BaseException | str | None) -> str | None:
+    if error is None:
+        return None
+    text = error if isinstance(error, str) else (str(error) or type(error).__name__)
+    return text[:MAX_ERROR_CHARS]
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is None or math.isfinite(value) else None
+
+
+# --------------------------------------------------------------------------- reads
+
+
+async def get_episode(*, db_session: AsyncSession, episode_id: str) -> Episode:
+    """Return the episode with this id; raise NotFoundError if there is none."""
+    row = await db_session.get(Episode, episode_id, populate_existing=True)
+    if row is None:
+        raise NotFoundError(f"Episode {episode_id!r} does not exist.")
+    return row
+
+
+async def get_steps(*, db_session: AsyncSession, episode_id: str) -> list[EpisodeStep]:
+    """Return the steps of an episode in index order."""
+    stmt = select(EpisodeStep).where(EpisodeStep.episode_id == episode_id).order_by(EpisodeStep.index)
+    return list((await db_session.scalars(stmt)).all())
+
+
+async def get_steps_of(*, db_session: AsyncSession, episode_ids: Sequence[str]) -> dict[str, list[EpisodeStep]]:
+    """Return the steps of several episodes, each list in index order."""
+    steps: dict[str, list[EpisodeStep]] = {eid: [] for eid in episode_ids}
+    if not episode_ids:
+        return steps
+    stmt = (select(EpisodeStep).where(EpisodeStep.episode_id.in_(list(episode_ids)))
+            .order_by(EpisodeStep.episode_id, EpisodeStep.index))
+    for step in (await db_session.scalars(stmt)).all():
+        steps[step.episode_id].append(step)
+    return steps
+
+
+async def list_episodes(
+    *, db_session: AsyncSession, rollout_id: str | None = None, status: EpisodeStatus | None = None,
+    group_id: str | None = None, task_id: str | None = None, limit: int, cursor: str | None = None,
+) -> tuple[list[Episode], str | None]:
+    """Return one page of episodes (oldest first), optionally of one rollout, status, group or task."""
+    stmt = select(Episode)
+    if rollout_id is not None:
+        stmt = stmt.where(Episode.rollout_id == rollout_id)
+    if status is not None:
+        stmt = stmt.where(Episode.status == status)
+    if group_id is not None:
+        stmt = stmt.where(Episode.group_id == group_id)
+    if task_id is not None:
+        stmt = stmt.where(Episode.task_id == task_id)
+    stmt = paginate(stmt, created_at=Episode.created_at, id_=Episode.id, cursor=cursor, limit=limit)
+    rows = list((await db_session.scalars(stmt)).all())
+    return page_of(rows, limit=limit)
+
+
+def training_view(episode: Episode, steps: Iterable[EpisodeStep]) -> dict[str, Any]:
+    """Return the token-exact training view of an episode from its steps.
+
+    ``input_ids`` concatenates, step by step in index order, the tokens appended before the
+    generation (``prompt_ids``, loss 0) and the sampled tokens (``completion_ids``, loss 1);
+    ``logprobs`` holds one value per sampled token (None where the server returned none).
+    """
+    input_ids: list[int] = []
+    loss_mask: list[int] = []
+    logprobs: list[float | None] = []
+    for step in sorted(steps, key=lambda s: s.index):
+        prompt = list(step.prompt_ids or [])
+        completion = list(step.completion_ids or [])
+        input_ids.extend(prompt)
+        loss_mask.extend([0] * len(prompt))
+        input_ids.extend(completion)
+        loss_mask.extend([1] * len(completion))
+        step_logprobs = list(step.logprobs) if step.logprobs is not None else []
+        step_logprobs = step_logprobs[: len(completion)]
+        logprobs.extend(step_logprobs + [None] * (len(completion) - len(step_logprobs)))
+    return {
+        "episode_id": episode.id,
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "logprobs": logprobs,
+        "reward": episode.reward,
+        "group_id": episode.group_id,
+        "weight_versions": list(episode.weight_versions or []),
+        "termination": episode.termination.value if episode.termination else None,
+        "status": episode.status.value,
+    }
+
+
+async def get_training(*, db_session: AsyncSession, episode_id: str) -> dict[str, Any]:
+    """Return the training view of one episode."""
+    episode = await get_episode(db_session=db_session, episode_id=episode_id)
+    return training_view(episode, await get_steps(db_session=db_session, episode_id=episode_id))
+
+
+# --------------------------------------------------------------------------- dispatch side
+
+
+async def lock_rollout(db_session: AsyncSession, rollout_id: str) -> Rollout:
+    """Lock a rollout row for this transaction and return it freshly read; raise NotFoundError if missing."""
+    result = await db_session.execute(update(Rollout).where(Rollout.id == rollout_id).values(updated_at=utcnow()))
+    if result.rowcount == 0:  # type: ignore[attr-defined]
+        raise NotFoundError(f"Rollout {rollout_id!r} does not exist.")
+    rollout = await db_session.get(Rollout, rollout_id, populate_existing=True)
+    assert rollout is not None
+    return rollout
+
+
+async def list_queued_episodes(*, db_session: AsyncSession, rollout_id: str, limit: int) -> list[Episode]:
+    """Return up to ``limit`` queued episodes of a rollout in dispatch order.
+
+    Reruns come first (their groups wait on them), then task order, then sample order, so
+    whole groups finish early.
+    """
+    stmt = (
+        select(Episode)
+        .where(Episode.rollout_id == rollout_id, Episode.status == EpisodeStatus.QUEUED)
+        .order_by(Episode.attempt.desc(), Episode.task_index, Episode.sample_index)
+        .limit(limit)
+    )
+    return list((await db_session.scalars(stmt)).all())
+
+
+async def count_running_episodes(*, db_session: AsyncSession, rollout_id: str) -> int:
+    """Return how many episodes of a rollout are running."""
+    stmt = select(func.count()).select_from(Episode).where(
+        Episode.rollout_id == rollout_id, Episode.status == EpisodeStatus.RUNNING
+    )
+    return int(await db_session.scalar(stmt) or 0)
+
+
+async def mark_episode_running(*, db_session: AsyncSession, episode_id: str, node: str | None = None) -> bool:
+    """Move a queued episode to running (and its rollout to running); return False if it must not run.
+
+    False means the rollout was cancelled or failed, or the episode is no longer queued
+    (another dispatcher took it); nothing changes then.
+    """
+    episode = await get_episode(db_session=db_session, episode_id=episode_id)
+    now = utcnow()
+    result = await db_session.execute(
+        update(Rollout)
+        .where(Rollout.id == episode.rollout_id,
+               Rollout.status.in_([RolloutStatus.QUEUED, RolloutStatus.RUNNING]))
+        .values(status=RolloutStatus.RUNNING, started_at=func.coalesce(Rollout.started_at, now), updated_at=now)
+    )
+    if result.rowcount == 0:  # type: ignore[attr-defined]
+        await db_session.rollback()
+        return False
+    result = await db_session.execute(
+        update(Episode).where(Episode.id == episode_id, Episode.status == EpisodeStatus.QUEUED)
+        .values(status=EpisodeStatus.RUNNING, started_at=now, node=node)
+    )
+    if result.rowcount == 0:  # type: ignore[attr-defined]
+        await db_session.rollback()
+        return False
+    await db_session.commit()
+    return True
+
+
+def _step_values(step: Any) -> dict[str, Any]:
+    data = dataclasses.asdict(step) if dataclasses.is_dataclass(step) and not isinstance(step, type) else dict(step)
+    if "index" not in data:
+        raise ValueError("a step needs an index")
+    values = {name: data.get(name) for name in STEP_FIELDS}
+    completion = list(values["completion_ids"] or [])
+    logprobs = values["logprobs"]
+    if logprobs is not None:
+        if len(logprobs) != len(completion):
+            raise ValueError(f"step {values['index']}: {len(logprobs)} logprobs for {len(completion)} "
+                             "completion tokens")
+        # JSON has no infinities; a non-finite logprob is kept as null.
+        logprobs = [None if lp is None or not math.isfinite(lp) else float(lp) for lp in logprobs]
+    values.update(
+        prompt_ids=[int(t) for t in values["prompt_ids"] or []],
+        completion_ids=[int(t) for t in completion],
+        logprobs=logprobs,
+        text=values["text"] or "",
+        observation=values["observation"] or "",
+        timings=dict(values["timings"] or {}),
+        reward=_finite(values["reward"]),
+        parse_error=_error_text(values["parse_error"]),
+    )
+    return values
+
+
+async def record_step(*, db_session: AsyncSession, episode_id: str, step: Any) -> EpisodeStep | None:
+    """Append one step (a StepRecord or a dict of its fields) to a queued or running episode.
+
+    Returns the stored step, or None (with a warning) if the episode has already ended.
+
+    Raises:
+        NotFoundError: no such episode.
+        ValueError: the step has no index, repeats an index, or its logprobs do not match its
+            completion tokens.
+    """
+    values = _step_values(step)
+    result = await db_session.execute(
+        update(Episode)
+        .where(Episode.id == episode_id, Episode.status.in_(list(ACTIVE_EPISODE_STATUSES)))
+        .values(num_turns=Episode.num_turns + 1)
+    )
+    if result.rowcount == 0:  # type: ignore[attr-defined]
+        await db_session.rollback()
+        await get_episode(db_session=db_session, episode_id=episode_id)  # NotFoundError if missing
+        logger.warning("episode %s: step %s arrived after the episode ended; not recorded", episode_id,
+                       values["index"])
+        return None
+    row = EpisodeStep(episode_id=episode_id, created_at=utcnow(), **values)
+    db_session.add(row)
+    try:
+        await db_session.commit()
+    except IntegrityError as exc:
+        await db_session.rollback()
+        raise ValueError(f"episode {episode_id} already has a step {values['index']}") from exc
+    return row
+
+
+def staleness_lag(weight_versions: Sequence[int], version: int) -> int | None:
+    """Return how many versions the oldest turn lags ``version`` (None when no turn carries a version)."""
+    versions = [v for v in weight_versions if v is not None]
+    return version - min(versions) if versions else None
+
+
+def _is_stale(rollout: Rollout, weight_versions: Sequence[int], version: int) -> bool:
+    if rollout.max_staleness is None:
+        return False
+    lag = staleness_lag(weight_versions, version)
+    return lag is not None and lag > rollout.max_staleness
+
+
+async def finish_episode(
+    *, db_session: AsyncSession, episode_id: str, status: EpisodeStatus | str, termination: Termination | str | None,
+    reward: float | None, error: BaseException | str | None = None, messages: list[dict[str, Any]] | None = None,
+    timings: dict[str, Any] | None = None, weight_versions: Sequence[int] | None = None,
+    info: dict[str, Any] | None = None, current_version: int | None = None,
+) -> Episode:
+    """Record how an episode ended and settle what follows, in one transaction.
+
+    - Staleness: a completed/truncated episode whose oldest turn lags the policy's version
+      (``current_version``, or the announced version when None) by more than the rollout's
+      ``max_staleness`` becomes ``stale``; with ``staleness_action`` rerun and attempts
+      left a new queued attempt (same group and sample) is created, else it is dead-lettered.
+    - A failed episode is dead-lettered with its error.
+    - Its group enters the delivery stream when ready (see :func:`release_group_if_ready`).
+    - The rollout becomes ``completed`` when no episode is queued or running.
+
+    Finishing an episode that has already ended changes nothing and returns it.
+
+    Raises:
+        NotFoundError: no such episode.
+        ValueError: ``status`` is not a final state.
+    """
+    status = EpisodeStatus(status)
+    if status not in FINAL_EPISODE_STATUSES:
+        raise ValueError(f"cannot finish an episode as {status.value}; use a final state")
+    term = Termination(termination) if termination is not None else None
+    episode = await get_episode(db_session=db_session, episode_id=episode_id)
+    rollout = await lock_rollout(db_session, episode.rollout_id)
+    episode = await get_episode(db_session=db_session, episode_id=episode_id)
+    if episode.status not in ACTIVE_EPISODE_STATUSES:
+        ended = episode.status.value
+        await db_session.rollback()
+        logger.warning("episode %s already ended as %s; finish ignored", episode_id, ended)
+        return await get_episode(db_session=db_session, episode_id=episode_id)
+    now = utcnow()
+    versions = [int(v) for v in (weight_versions or []) if v is not None]
+    extra = dict(info or {})
+    if status in USABLE_EPISODE_STATUSES and rollout.max_staleness is not None and versions:
+        version = current_version if current_version is not None else await policies_service.current_version(
+            db_session=db_session, name=rollout.policy_name)
+        if _is_stale(rollout, versions, version):
+            extra["stale"] = {"detected": "finish", "policy_version": version, "oldest_version": min(versions),
+                              "max_staleness": rollout.max_staleness,
+                              "termination": term.value if term else None}
+            status, term = EpisodeStatus.STALE, Termination.STALE
+    episode.status = status
+    episode.termination = term
+    episode.reward = _finite(reward)
+    episode.error = _error_text(error)
+    episode.messages = list(messages or [])
+    episode.timings = dict(timings or {})
+    episode.weight_versions = versions
+    episode.info = extra
+    episode.finished_at = now
+    episode.num_turns = int(await db_session.scalar(
+        select(func.count()).select_from(EpisodeStep).where(EpisodeStep.episode_id == episode_id)) or 0)
+    await _settle(db_session, rollout, episode, now)
+    await db_session.commit()
+    rollout_events.notify(rollout.id)
+    logger.info("episode %s of rollout %s ended %s (%s), reward %s", episode_id, rollout.id, status.value,
+                term.value if term else None, episode.reward)
+    return episode
+
+
+async def requeue_interrupted(*, db_session: AsyncSession, node: str | None = None) -> int:
+    """Fail the episodes a crash left ``running`` and queue a new attempt where attempts remain.
+
+    Call it at gateway start, before the dispatcher resumes the rollouts still running.
+    With ``node``, only episodes started on that node are touched. Returns how many
+    episodes were interrupted.
+    """
+    stmt = select(Episode.id, Episode.rollout_id).where(Episode.status == EpisodeStatus.RUNNING)
+    if node is not None:
+        stmt = stmt.where(Episode.node == node)
+    by_rollout: dict[str, list[str]] = {}
+    for episode_id, rollout_id in (await db_session.execute(stmt)).all():
+        by_rollout.setdefault(rollout_id, []).append(episode_id)
+    await db_session.commit()
+    interrupted = 0
+    for rollout_id, episode_ids in by_rollout.items():
+        rollout = await lock_rollout(db_session, rollout_id)
+        now = utcnow()
+        for episode_id in episode_ids:
+            episode = await get_episode(db_session=db_session, episode_id=episode_id)
+            if episode.status != EpisodeStatus.RUNNING:
+                continue
+            episode.status = EpisodeStatus.FAILED
+            episode.termination = Termination.ERROR
+            episode.error = INTERRUPTED_ERROR
+            episode.finished_at = now
+            await _settle(db_session, rollout, episode, now, retry_failed=True)
+            interrupted += 1
+        await db_session.commit()
+        rollout_events.notify(rollout_id)
+    if interrupted:
+        logger.warning("%d episode(s) were interrupted by a restart and failed (reruns queued where attempts "
+                       "remain)", interrupted)
+    return interrupted
+
+
+async def withdraw_stale(
+    *, db_session: AsyncSession, rollout: Rollout, episode: Episode, version: int, now: datetime
+) -> bool:
+    """Turn a streamed episode found stale at delivery into ``stale`` and rerun or dead-letter it.
+
+    The caller holds the rollout lock and commits. A rerun reopens a completed rollout
+    (the dispatcher must pick it up again); its result is streamed on its own, replacing
+    this one. Returns whether a rerun was queued.
+    """
+    extra = dict(episode.info or {})
+    extra["stale"] = {"detected": "delivery", "policy_version": version,
+                      "oldest_version": min(episode.weight_versions), "max_staleness": rollout.max_staleness,
+                      "termination": episode.termination.value if episode.termination else None}
+    episode.info = extra
+    episode.status = EpisodeStatus.STALE
+    episode.termination = Termination.STALE
+    rerun = await _retire_stale(db_session, rollout, episode, now)
+    await db_session.flush()
+    await _complete_if_done(db_session, rollout, now)
+    logger.info("episode %s of rollout %s was stale at delivery (policy at version %d)", episode.id, rollout.id,
+                version)
+    return rerun is not None
+
+
+def is_stale_now(rollout: Rollout, episode: Episode, version: int) -> bool:
+    """Return whether a streamed episode is too far behind ``version`` to be delivered as fresh."""
+    return _is_stale(rollout, list(episode.weight_versions or []), version)
+
+
+async def _settle(
+    db_session: AsyncSession, rollout: Rollout, episode: Episode, now: datetime, *, retry_failed: bool = False
+) -> None:
+    """After ``episode`` reached a final state: rerun or dead-letter it, release its group, complete the rollout."""
+    group = await db_session.get(EpisodeGroup, episode.group_id, populate_existing=True)
+    assert group is not None
+    if episode.status == EpisodeStatus.STALE:
+        streamed = await _sample_was_streamed(db_session, episode)
+        if group.released_at is not None and not streamed:
+            # A surplus sample of a group already streamed (early mode): no point running it again.
+            episode.dead_letter_reason = _stale_reason(episode) + "; its group was already delivered"
+        else:
+            await _retire_stale(db_session, rollout, episode, now)
+    elif episode.status == EpisodeStatus.FAILED:
+        if retry_failed and episode.attempt < rollout.max_attempts and rollout.status not in (
+                RolloutStatus.CANCELLED, RolloutStatus.FAILED):
+            _queue_attempt(db_session, rollout, episode, now)
+        else:
+            episode.dead_letter_reason = episode.error or "the episode failed"
+    await db_session.flush()
+    await release_group_if_ready(db_session=db_session, rollout=rollout, group=group, episode=episode, now=now)
+    await _complete_if_done(db_session, rollout, now)
+
+
+def _stale_reason(episode: Episode) -> str:
+    stale = (episode.info or {}).get("stale")
+    if not isinstance(stale, dict):  # marked stale by the caller (e.g. at dispatch)
+        return f"stale: {episode.error or 'the policy moved too far ahead of its weight versions'}"
+    return (f"stale: oldest turn at version {stale.get('oldest_version')}, policy at version "
+            f"{stale.get('policy_version')} (max_staleness {stale.get('max_staleness')})")
+
+
+async def _retire_stale(
+    db_session: AsyncSession, rollout: Rollout, episode: Episode, now: datetime
+) -> Episode | None:
+    """Rerun a stale episode if the rollout allows it (returning the rerun), else dead-letter it."""
+    reason = _stale_reason(episode)
+    if rollout.staleness_action != StalenessAction.RERUN:
+        episode.dead_letter_reason = reason
+    elif rollout.status in (RolloutStatus.CANCELLED, RolloutStatus.FAILED):
+        episode.dead_letter_reason = f"{reason}; not rerun because the rollout is {rollout.status.value}"
+    elif episode.attempt >= rollout.max_attempts:
+        episode.dead_letter_reason = f"{reason}; no attempts left (max_attempts {rollout.max_attempts})"
+    else:
+        return _queue_attempt(db_session, rollout, episode, now)
+    return None
+
+
+def _queue_attempt(db_session: AsyncSession, rollout: Rollout, episode: Episode, now: datetime) -> Episode:
+    """Queue the next attempt of ``episode``'s sample (reopening a completed rollout)."""
+    rerun = Episode(
+        id=new_id("ep"), rollout_id=episode.rollout_id, group_id=episode.group_id, task_id=episode.task_id,
+        task_index=episode.task_index, sample_index=episode.sample_index, attempt=episode.attempt + 1,
+        status=EpisodeStatus.QUEUED, messages=[], timings={}, weight_versions=[], info={"previous": episode.id},
+        num_turns=0, created_at=now,
+    )
+    db_session.add(rerun)
+    if rollout.status == RolloutStatus.COMPLETED:
+        rollout.status = RolloutStatus.RUNNING
+        rollout.finished_at = None
+    logger.info("episode %s: queued attempt %d as %s", episode.id, rerun.attempt, rerun.id)
+    return rerun
+
+
+async def _sample_was_streamed(db_session: AsyncSession, episode: Episode) -> bool:
+    """Return whether an earlier attempt of this episode's sample entered the stream."""
+    stmt = select(func.count()).select_from(Episode).where(
+        Episode.group_id == episode.group_id, Episode.sample_index == episode.sample_index,
+        Episode.id != episode.id, Episode.seq.is_not(None),
+    )
+    return bool(await db_session.scalar(stmt))
+
+
+async def release_group_if_ready(
+    *, db_session: AsyncSession, rollout: Rollout, group: EpisodeGroup, episode: Episode | None, now: datetime
+) -> bool:
+    """Give the group's usable episodes stream positions once the group is ready; return whether it was released.
+
+    Ready means, in ``complete`` mode, no sample of the group is queued or running any more;
+    in ``early`` mode, also as soon as ``min_group_size`` usable (completed or truncated)
+    episodes exist. Usable episodes that finish after the release are kept but not streamed,
+    except a rerun replacing a streamed episode found stale at delivery, which is streamed
+    on its own. The caller holds the rollout lock and commits.
+    """
+    if group.released_at is not None:
+        if (episode is not None and episode.status in USABLE_EPISODE_STATUSES and episode.seq is None
+                and await _sample_was_streamed(db_session, episode)):
+            _assign_seq(rollout, [episode])
+        return False
+    rows = list((await db_session.scalars(select(Episode).where(Episode.group_id == group.id))).all())
+    usable = sorted((e for e in rows if e.status in USABLE_EPISODE_STATUSES), key=lambda e: e.sample_index)
+    active = any(e.status in ACTIVE_EPISODE_STATUSES for e in rows)
+    early = rollout.group_mode == GroupMode.EARLY and len(usable) >= (rollout.min_group_size or rollout.group_size)
+    if active and not early:
+        return False
+    group.released_at = now
+    group.updated_at = now
+    _assign_seq(rollout, usable)
+    logger.info("group %s of rollout %s released: %d usable episode(s) streamed", group.id, rollout.id, len(usable))
+    return True
+
+
+def _assign_seq(rollout: Rollout, episodes: Sequence[Episode]) -> None:
+    for episode in episodes:
+        rollout.last_seq += 1
+        episode.seq = rollout.last_seq
+
+
+async def _complete_if_done(db_session: AsyncSession, rollout: Rollout, now: datetime) -> None:
+    if rollout.status in FINAL_ROLLOUT_STATUSES:
+        return
+    stmt = select(func.count()).select_from(Episode).where(
+        Episode.rollout_id == rollout.id, Episode.status.in_(list(ACTIVE_EPISODE_STATUSES)))
+    if int(await db_session.scalar(stmt) or 0) == 0:
+        rollout.status = RolloutStatus.COMPLETED
+        rollout.finished_at = now
+        logger.info("rollout %s completed", rollout.id)
+
+
+async def settle_cancelled(
+    *, db_session: AsyncSession, rollout: Rollout, status: RolloutStatus, reason: str, now: datetime
+) -> int:
+    """Fail every queued episode of a rollout being cancelled or failed, and release groups that are now over.
+
+    The caller holds the rollout lock, sets the rollout's status and commits. Returns how
+    many queued episodes were failed.
+    """
+    queued = list((await db_session.scalars(
+        select(Episode).where(Episode.rollout_id == rollout.id, Episode.status == EpisodeStatus.QUEUED))).all())
+    termination = Termination.CANCELLED if status == RolloutStatus.CANCELLED else Termination.ERROR
+    for episode in queued:
+        episode.status = EpisodeStatus.FAILED
+        episode.termination = termination
+        episode.error = reason
+        episode.dead_letter_reason = reason
+        episode.finished_at = now
+    await db_session.flush()
+    for group_id in sorted({e.group_id for e in queued}):
+        group = await db_session.get(EpisodeGroup, group_id, populate_existing=True)
+        assert group is not None
+        await release_group_if_ready(db_session=db_session, rollout=rollout, group=group, episode=None, now=now)
+    return len(queued)

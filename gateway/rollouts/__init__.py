@@ -1,0 +1,1 @@
+"""Rollouts: a trainer's request for episodes, their groups, and the durable delivery stream."""

@@ -1,0 +1,171 @@
+"""The ``rollout``, ``episode_group``, ``delivery_consumer`` and ``delivery_lease`` tables and their enums."""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, Enum, ForeignKey, Index, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column
+
+from gateway.db import Base, utcnow
+
+
+class RolloutStatus(str, enum.Enum):
+    """Lifecycle of a rollout: queued -> running -> completed | cancelled | failed."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+class EpisodeStatus(str, enum.Enum):
+    """Lifecycle of an episode: queued -> running -> completed | truncated | failed | stale."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    """The agent submitted and the verifier gave a reward (which may be 0)."""
+    TRUNCATED = "truncated"
+    """Max turns or a timeout ended the agent; the verifier still ran."""
+    FAILED = "failed"
+    """An error ended the episode; ``error`` says which."""
+    STALE = "stale"
+    """Its oldest turn was more than ``max_staleness`` versions behind the policy."""
+
+
+#: Episode states that end an attempt.
+FINAL_EPISODE_STATUSES = frozenset({EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED, EpisodeStatus.FAILED,
+                                    EpisodeStatus.STALE})
+#: Episode states whose data a trainer can use.
+USABLE_EPISODE_STATUSES = frozenset({EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED})
+#: Episode states of an attempt not yet over.
+ACTIVE_EPISODE_STATUSES = frozenset({EpisodeStatus.QUEUED, EpisodeStatus.RUNNING})
+#: Rollout states in which no new episode starts.
+FINAL_ROLLOUT_STATUSES = frozenset({RolloutStatus.COMPLETED, RolloutStatus.CANCELLED, RolloutStatus.FAILED})
+
+
+class Termination(str, enum.Enum):
+    """Why an episode ended."""
+
+    SUBMITTED = "submitted"
+    MAX_TURNS = "max_turns"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    STALE = "stale"
+    CANCELLED = "cancelled"
+
+
+class GroupMode(str, enum.Enum):
+    """When a group of samples enters the delivery stream."""
+
+    COMPLETE = "complete"
+    """When every sample of the group has finished."""
+    EARLY = "early"
+    """As soon as ``min_group_size`` usable samples exist (or every sample has finished)."""
+
+
+class StalenessAction(str, enum.Enum):
+    """What happens to an episode found too far behind the policy."""
+
+    RERUN = "rerun"
+    DEAD_LETTER = "dead_letter"
+
+
+class DeliveryState(str, enum.Enum):
+    """State of one episode delivered to one consumer."""
+
+    PENDING = "pending"
+    """Leased, not acknowledged: redelivered once the lease expires."""
+    ACKED = "acked"
+    """Acknowledged: never delivered to this consumer again."""
+    DROPPED = "dropped"
+    """Withdrawn at redelivery (the episode went stale)."""
+
+
+def enum_column(enum_cls: type[enum.Enum], length: int = 16) -> Enum:
+    """Return the non-native (VARCHAR) enum type every status column uses."""
+    return Enum(enum_cls, native_enum=False, length=length, values_callable=lambda e: [m.value for m in e])
+
+
+class Rollout(Base):
+    """A trainer's request: tasks x group_size episodes with one policy, agent and delivery settings."""
+
+    __tablename__ = "rollout"
+    __table_args__ = (Index("ix_rollout_status_priority", "status", "priority"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    status: Mapped[RolloutStatus] = mapped_column(enum_column(RolloutStatus))
+    policy_name: Mapped[str] = mapped_column(String(200), index=True)
+    group_size: Mapped[int]
+    task_ids: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    """Task ids in request order; one group per task."""
+    policy: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    agent: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    limits: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    max_staleness: Mapped[int | None] = mapped_column(default=None)
+    staleness_action: Mapped[StalenessAction] = mapped_column(enum_column(StalenessAction))
+    max_attempts: Mapped[int] = mapped_column(default=2)
+    group_mode: Mapped[GroupMode] = mapped_column(enum_column(GroupMode))
+    min_group_size: Mapped[int | None] = mapped_column(default=None)
+    priority: Mapped[int] = mapped_column(default=0)
+    concurrency: Mapped[int] = mapped_column(default=8)
+    last_seq: Mapped[int] = mapped_column(default=0)
+    """Highest delivery-stream position handed out in this rollout."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+
+
+class EpisodeGroup(Base):
+    """All samples of one task in one rollout; released into the delivery stream as a unit."""
+
+    __tablename__ = "episode_group"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    rollout_id: Mapped[str] = mapped_column(ForeignKey("rollout.id"), index=True)
+    task_id: Mapped[str] = mapped_column(ForeignKey("task.id"))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    released_at: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class DeliveryConsumer(Base):
+    """One consumer group reading one rollout's stream: how far it has read."""
+
+    __tablename__ = "delivery_consumer"
+    __table_args__ = (UniqueConstraint("rollout_id", "name", name="uq_delivery_consumer_rollout_name"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    rollout_id: Mapped[str] = mapped_column(ForeignKey("rollout.id"))
+    name: Mapped[str] = mapped_column(String(200))
+    last_delivered_seq: Mapped[int] = mapped_column(default=0)
+    """Every stream entry at or below this position has been handed to this consumer once."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class DeliveryLease(Base):
+    """One stream entry handed to one consumer: pending until acked, redelivered when its lease expires."""
+
+    __tablename__ = "delivery_lease"
+    __table_args__ = (
+        Index("ix_delivery_lease_consumer_state_expiry", "consumer_id", "state", "lease_expires_at"),
+        Index("ix_delivery_lease_rollout_state", "rollout_id", "state"),
+    )
+
+    consumer_id: Mapped[str] = mapped_column(ForeignKey("delivery_consumer.id"), primary_key=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episode.id"), primary_key=True)
+    rollout_id: Mapped[str] = mapped_column(ForeignKey("rollout.id"))
+    seq: Mapped[int]
+    state: Mapped[DeliveryState] = mapped_column(enum_column(DeliveryState))
+    delivery_count: Mapped[int] = mapped_column(default=1)
+    lease_expires_at: Mapped[datetime]
+    first_delivered_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_delivered_at: Mapped[datetime] = mapped_column(default=utcnow)
+    acked_at: Mapped[datetime | None] = mapped_column(default=None)
