@@ -19,9 +19,31 @@ from ._exceptions import (
     RateLimitError,
     UnprocessableEntityError,
 )
-from ._models import Environment, Page, Sandbox, SandboxState, SessionInfo, SessionState, StepResult, Task
+from ._models import (
+    DeadLetter,
+    Environment,
+    Episode,
+    EpisodeDetail,
+    EpisodeInfo,
+    EpisodeStatus,
+    EpisodeStep,
+    Page,
+    Policy,
+    Rollout,
+    RolloutProgress,
+    RolloutStatus,
+    Sandbox,
+    SandboxState,
+    SessionInfo,
+    SessionState,
+    StepResult,
+    Task,
+)
 from ._pagination import AsyncPager, Pager
+from ._streaming import AsyncStream, Stream
+from ._training import group_advantages
 from ._version import __version__
+from .resources.rollouts import AsyncEpisodeBatch, EpisodeBatch
 from .resources.sessions import AsyncSession, AsyncSessionOpener, Session
 
 __all__ = [
@@ -34,6 +56,12 @@ __all__ = [
     "Session",
     "AsyncSession",
     "AsyncSessionOpener",
+    # rollouts
+    "EpisodeBatch",
+    "AsyncEpisodeBatch",
+    "Stream",
+    "AsyncStream",
+    "group_advantages",
     # models
     "Environment",
     "Task",
@@ -42,6 +70,16 @@ __all__ = [
     "StepResult",
     "Sandbox",
     "SandboxState",
+    "Rollout",
+    "RolloutStatus",
+    "RolloutProgress",
+    "Policy",
+    "Episode",
+    "EpisodeStatus",
+    "EpisodeInfo",
+    "EpisodeDetail",
+    "EpisodeStep",
+    "DeadLetter",
     "Page",
     "Pager",
     "AsyncPager",

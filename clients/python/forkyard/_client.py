@@ -19,6 +19,9 @@ from ._base_client import (
     _Sleep,
 )
 from .resources.environments import AsyncEnvironments, Environments
+from .resources.episodes import AsyncEpisodes, Episodes
+from .resources.policies import AsyncPolicies, Policies
+from .resources.rollouts import AsyncRollouts, Rollouts
 from .resources.sandboxes import AsyncSandboxes, Sandboxes
 from .resources.sessions import AsyncSessions, Sessions
 from .resources.tasks import AsyncTasks, Tasks
@@ -44,6 +47,9 @@ class Client(BaseClient[httpx.Client]):
     tasks: Tasks
     sessions: Sessions
     sandboxes: Sandboxes
+    rollouts: Rollouts
+    policies: Policies
+    episodes: Episodes
 
     def __init__(
         self,
@@ -67,6 +73,9 @@ class Client(BaseClient[httpx.Client]):
         self.tasks = Tasks(self)
         self.sessions = Sessions(self)
         self.sandboxes = Sandboxes(self)
+        self.rollouts = Rollouts(self)
+        self.policies = Policies(self)
+        self.episodes = Episodes(self)
 
     def _make_http_client(self) -> httpx.Client:
         return httpx.Client(timeout=self.timeout)
@@ -124,6 +133,9 @@ class AsyncClient(BaseClient[httpx.AsyncClient]):
     tasks: AsyncTasks
     sessions: AsyncSessions
     sandboxes: AsyncSandboxes
+    rollouts: AsyncRollouts
+    policies: AsyncPolicies
+    episodes: AsyncEpisodes
 
     def __init__(
         self,
@@ -147,6 +159,9 @@ class AsyncClient(BaseClient[httpx.AsyncClient]):
         self.tasks = AsyncTasks(self)
         self.sessions = AsyncSessions(self)
         self.sandboxes = AsyncSandboxes(self)
+        self.rollouts = AsyncRollouts(self)
+        self.policies = AsyncPolicies(self)
+        self.episodes = AsyncEpisodes(self)
 
     def _make_http_client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(timeout=self.timeout)

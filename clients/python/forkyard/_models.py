@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import enum
 from datetime import datetime
-from typing import Any, Generic, TypeVar, Union
+from typing import Annotated, Any, Generic, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 __all__ = [
     "ForkyardModel",
@@ -18,6 +18,16 @@ __all__ = [
     "SandboxState",
     "Sandbox",
     "Page",
+    "RolloutStatus",
+    "RolloutProgress",
+    "Rollout",
+    "Policy",
+    "EpisodeStatus",
+    "Episode",
+    "EpisodeInfo",
+    "EpisodeStep",
+    "EpisodeDetail",
+    "DeadLetter",
 ]
 
 T = TypeVar("T")
@@ -128,3 +138,189 @@ class Page(ForkyardModel, Generic[T]):
 
     items: list[T]
     next: str | None = None
+
+
+# -- rollouts -------------------------------------------------------------------
+
+
+class RolloutStatus(str, enum.Enum):
+    """Lifecycle of a rollout: queued -> running -> completed | cancelled | failed."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+ROLLOUT_FINAL_STATUSES = frozenset({RolloutStatus.COMPLETED, RolloutStatus.CANCELLED, RolloutStatus.FAILED})
+
+
+class EpisodeStatus(str, enum.Enum):
+    """Lifecycle of an episode: queued -> running -> completed | truncated | failed | stale."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    FAILED = "failed"
+    STALE = "stale"
+
+
+_RolloutStatusField = Union[RolloutStatus, str]
+_EpisodeStatusField = Union[EpisodeStatus, str]
+
+
+def _id_text(value: Any) -> Any:
+    # Ids are strings in the API; a numeric one is accepted rather than failing validation.
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+_IdField = Annotated[str, BeforeValidator(_id_text)]
+
+
+class RolloutProgress(ForkyardModel):
+    """How far a rollout is, in samples: in total, finished, streamed, and delivered to consumers."""
+
+    total: int = 0
+    """Samples asked for: tasks x group_size."""
+    finished: int = 0
+    """Samples whose last attempt has ended."""
+    streamed: int = 0
+    """Episodes that entered the delivery stream."""
+    delivered: int = 0
+    """Streamed episodes acknowledged by at least one consumer."""
+
+
+class Rollout(ForkyardModel):
+    """A trainer's request for episodes: tasks x group_size samples under one policy."""
+
+    id: str
+    status: _RolloutStatusField = Field(union_mode="left_to_right")
+    group_size: int
+    task_ids: list[str] = Field(default_factory=list)
+    policy: dict[str, Any] = Field(default_factory=dict)
+    agent: dict[str, Any] = Field(default_factory=dict)
+    limits: dict[str, Any] = Field(default_factory=dict)
+    max_staleness: int | None = None
+    staleness_action: str | None = None
+    max_attempts: int | None = None
+    group_mode: dict[str, Any] = Field(default_factory=dict)
+    priority: int = 0
+    concurrency: int | None = None
+    counts: dict[str, int] = Field(default_factory=dict)
+    """Number of episode rows (every attempt) per EpisodeStatus value."""
+    progress: RolloutProgress = Field(default_factory=RolloutProgress)
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        """Return whether the rollout reached a final status (completed, cancelled or failed)."""
+        return self.status in ROLLOUT_FINAL_STATUSES
+
+
+class Policy(ForkyardModel):
+    """A named policy's current weight version and whether dispatch to it is paused."""
+
+    name: str
+    version: int
+    paused: bool = False
+    updated_at: datetime | None = None
+
+
+class Episode(ForkyardModel):
+    """The training view of one episode: token ids, loss mask, sampled-token logprobs, reward.
+
+    ``logprobs`` has one value per sampled token, i.e. per position where ``loss_mask`` is 1,
+    in order (None where the inference server returned none). ``seq`` is the episode's
+    position in its rollout's delivery stream; it and the fields after it are set on
+    delivered episodes (pull, stream).
+    """
+
+    episode_id: _IdField
+    input_ids: list[int] = Field(default_factory=list)
+    loss_mask: list[int] = Field(default_factory=list)
+    logprobs: list[float | None] | None = None
+    reward: float | None = None
+    group_id: _IdField | None = None
+    weight_versions: list[int] = Field(default_factory=list)
+    termination: str | None = None
+    status: _EpisodeStatusField | None = Field(default=None, union_mode="left_to_right")
+    seq: int | None = None
+    rollout_id: _IdField | None = None
+    task_id: _IdField | None = None
+    sample_index: int | None = None
+    attempt: int | None = None
+    delivery_count: int | None = None
+    """How many times this episode has been delivered to this consumer (more than 1: a redelivery)."""
+
+    @property
+    def id(self) -> str:
+        """The episode's id (same as episode_id)."""
+        return self.episode_id
+
+
+class EpisodeInfo(ForkyardModel):
+    """The gateway's summary of one episode, as listed."""
+
+    id: _IdField
+    rollout_id: _IdField | None = None
+    task_id: _IdField | None = None
+    group_id: _IdField | None = None
+    task_index: int | None = None
+    sample_index: int | None = None
+    attempt: int = 1
+    status: _EpisodeStatusField = Field(union_mode="left_to_right")
+    termination: str | None = None
+    reward: float | None = None
+    error: str | None = None
+    num_turns: int | None = None
+    seq: int | None = None
+    """Position in the rollout's delivery stream, if the episode entered it."""
+    created_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+class EpisodeStep(ForkyardModel):
+    """One turn of an episode: the model's output, the action it took, what it saw back."""
+
+    index: int | None = None
+    parent_index: int | None = None
+    text: str | None = None
+    action: dict[str, Any] | None = None
+    parse_error: str | None = None
+    observation: str | None = None
+    reward: float | None = None
+    finish_reason: str | None = None
+    weight_version: int | None = None
+    timings: dict[str, Any] = Field(default_factory=dict)
+    server: str | None = None
+    num_prompt_tokens: int | None = None
+    num_completion_tokens: int | None = None
+    prompt_ids: list[int] | None = None
+    """Tokens appended before this call; only from ``episodes.get(id, tokens=True)``."""
+    completion_ids: list[int] | None = None
+    """Sampled tokens exactly as the server returned them; only with ``tokens=True``."""
+    logprobs: list[float | None] | None = None
+    """One per sampled token; only with ``tokens=True``."""
+
+
+class EpisodeDetail(EpisodeInfo):
+    """One episode in full: its messages, steps, timings and weight versions."""
+
+    messages: list[dict[str, Any]] = Field(default_factory=list)
+    steps: list[EpisodeStep] = Field(default_factory=list)
+    timings: dict[str, Any] = Field(default_factory=dict)
+    weight_versions: list[int] = Field(default_factory=list)
+    info: dict[str, Any] = Field(default_factory=dict)
+    dead_letter_reason: str | None = None
+
+
+class DeadLetter(EpisodeInfo):
+    """A failed or stale episode that will not be delivered, with the reason."""
+
+    reason: str | None = None
