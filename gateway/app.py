@@ -26,6 +26,7 @@ from gateway.sessions import service as sessions_service
 from gateway.sessions.router import router as sessions_router
 from gateway.settings import Settings
 from gateway.tasks.router import router as tasks_router
+from workers.runner import StageLimits
 
 if TYPE_CHECKING:
     from workers.runtime import WorkerRuntime
@@ -95,7 +96,10 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
             async with sessionmaker() as db_session:
                 await sessions_service.recover_node(db_session=db_session, runtime=rt, node=settings.node)
             app.state.runtime = rt
-            dispatcher = Dispatcher(sessionmaker=sessionmaker, runtime=rt, node=settings.node)
+            stages = StageLimits.of(
+                setup=settings.stages.setup, agent=settings.stages.agent, verify=settings.stages.verify
+            )
+            dispatcher = Dispatcher(sessionmaker=sessionmaker, runtime=rt, node=settings.node, stages=stages)
             await dispatcher.start()
             app.state.dispatcher = dispatcher
             logger.info("gateway ready: node %s, database %s", settings.node, redact_database_url(url))

@@ -22,6 +22,17 @@ class SessionLimits(BaseModel):
     """Most sessions open at the same time on this node; more are refused with 429."""
 
 
+class StageLimitsSettings(BaseModel):
+    """How many episodes of all rollouts may be in each stage at once on this node."""
+
+    setup: int = Field(default=4, ge=1)
+    """Image build + sandbox start (``FORKYARD_STAGES__SETUP``): slow setups never idle the policy."""
+    agent: int = Field(default=32, ge=1)
+    """Episodes in their agent loop, calling the policy and stepping the environment."""
+    verify: int = Field(default=4, ge=1)
+    """Verifiers running at once."""
+
+
 class Settings(BaseSettings):
     """Everything the gateway and ``forkyard up`` need; built by the caller, never at import."""
 
@@ -67,6 +78,9 @@ class Settings(BaseSettings):
 
     sessions: SessionLimits = Field(default_factory=SessionLimits)
     """Session limits (``FORKYARD_SESSIONS__MAX_OPEN``)."""
+
+    stages: StageLimitsSettings = Field(default_factory=StageLimitsSettings)
+    """Per-stage concurrency of rollout episodes (``FORKYARD_STAGES__SETUP`` / ``__AGENT`` / ``__VERIFY``)."""
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

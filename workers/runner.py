@@ -85,8 +85,8 @@ class StepRecord:
 class EpisodeResult:
     """How an episode ended, with everything needed to store and train on it."""
 
-    status: str  # completed | truncated | failed
-    termination: str  # submitted | max_turns | timeout | error | cancelled
+    status: str  # completed | truncated | failed | stale
+    termination: str  # submitted | max_turns | timeout | error | stale | cancelled
     reward: float | None
     error: str | None
     steps: list[StepRecord]
@@ -188,6 +188,7 @@ async def run_episode(
     version_of: Callable[[], Awaitable[int]] | None = None,
     gate: Callable[[], Awaitable[None]] | None = None,
     on_step: Callable[[StepRecord], Awaitable[None]] | None = None,
+    stale_check: Callable[[list[int]], Awaitable[str | None]] | None = None,
     labels: dict[str, str] | None = None,
 ) -> EpisodeResult:
     """Run one episode of ``task`` with ``policy`` to the end; never raises for episode failures.
@@ -197,6 +198,9 @@ async def run_episode(
             server reports none.
         gate: awaited before every policy call (blocks while the trainer paused dispatch).
         on_step: called with each step as soon as it is complete (for live progress).
+        stale_check: given the versions of the turns so far, before each further policy
+            call; a reason string stops the episode as ``stale`` (the rollout's
+            max_staleness enforced at dispatch, not only at delivery).
     """
     from workers.envs.terminal import TOOLS, TerminalEnv
 
@@ -241,6 +245,7 @@ async def run_episode(
             outcome = await _agent_loop(
                 episode_id=episode_id, env=env, policy=policy, settings=settings, sampling=sampling,
                 state=state, deadline=deadline, stages=stages, version_of=version_of, gate=gate, on_step=on_step,
+                stale_check=stale_check,
             )
         timings["agent_s"] = time.monotonic() - t - outcome.verify_s
         timings["verify_s"] = outcome.verify_s
@@ -248,6 +253,8 @@ async def run_episode(
         status = "completed" if final.terminated else "truncated"
         info = {k: v for k, v in final.info.items() if k in ("reward_details", "verifier_error")}
         return result(status, outcome.termination, reward=final.reward, info=info)
+    except _Stale as exc:
+        return result("stale", "stale", error=str(exc))
     except PolicyError as exc:
         return result("failed", "error", error=f"policy: {exc}")
     except (ImageBuildError, SandboxError, WorkerError) as exc:
@@ -266,6 +273,10 @@ async def run_episode(
                 await env.close()
             except Exception:
                 logger.exception("episode %s: closing its sandbox failed", episode_id)
+
+
+class _Stale(Exception):
+    """The episode's oldest turn fell too far behind the policy: stop spending compute on it."""
 
 
 @dataclass
@@ -288,6 +299,7 @@ async def _agent_loop(
     version_of: Callable[[], Awaitable[int]] | None,
     gate: Callable[[], Awaitable[None]] | None,
     on_step: Callable[[StepRecord], Awaitable[None]] | None,
+    stale_check: Callable[[list[int]], Awaitable[str | None]] | None,
 ) -> _Outcome:
     verify_s = 0.0
 
@@ -304,6 +316,10 @@ async def _agent_loop(
             return await finish("timeout", f"episode timeout of {settings.episode_timeout_s:g}s reached")
         if gate is not None:
             await gate()
+        if stale_check is not None and state.versions:
+            reason = await stale_check(state.versions)
+            if reason is not None:
+                raise _Stale(reason)
         t = time.monotonic()
         budget = max(0.1, min(settings.step_timeout_s, deadline - t))
         try:

@@ -158,6 +158,15 @@ class Dispatcher:
             async with sm() as db:
                 return await policies_service.current_version(db_session=db, name=rollout.policy_name)
 
+        async def stale_check(versions: list[int]) -> str | None:
+            if rollout.max_staleness is None:
+                return None
+            current = await version_of()
+            if current - min(versions) <= rollout.max_staleness:
+                return None
+            return (f"stopped at dispatch: oldest turn at version {min(versions)}, policy at {current} "
+                    f"(max_staleness {rollout.max_staleness})")
+
         async def gate() -> None:
             while True:
                 async with sm() as db:
@@ -171,7 +180,7 @@ class Dispatcher:
                 result = await run_episode(
                     episode_id=episode.id, task=task, runtime=self._runtime, policy=policy,
                     settings=plan.settings, sampling=plan.sampling, tokenizer=plan.tokenizer, stages=self._stages,
-                    version_of=version_of, gate=gate, on_step=on_step,
+                    version_of=version_of, gate=gate, on_step=on_step, stale_check=stale_check,
                     labels={"forkyard.rollout": rollout.id},
                 )
             finally:

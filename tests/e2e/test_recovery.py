@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -44,3 +45,31 @@ def test_restart_after_a_crash_reaps_orphans_and_fails_open_sessions(backend, tm
             # The node still works.
             with client.sessions.create(task.id) as s:
                 assert s.submit().reward == 1.0
+
+
+@pytest.mark.parametrize("backend", ["local"])
+def test_restart_mid_rollout_resumes_and_delivers_everything(backend, tmp_path):
+    node = f"e2e-rollout-crash-{uuid.uuid4().hex[:6]}"
+    slow = [{"tool": "bash", "arguments": {"command": "sleep 3"}}, {"tool": "submit", "arguments": {}}]
+    with run_gateway(backend, tmp_path, node=node) as gw:
+        with forkyard.Client(base_url=gw.url, api_key=gw.api_key) as client:
+            task = client.tasks.import_specs([ECHO_TASK])[0]
+            rollout = client.rollouts.create(
+                tasks={"ids": [task.id]}, group_size=4, concurrency=2,
+                policy={"name": "slow", "api": "scripted", "model": "x", "actions": slow},
+            )
+            time.sleep(1.5)  # two episodes are mid-command
+        gw.crash()
+
+    with run_gateway(backend, tmp_path, node=node) as gw:
+        with forkyard.Client(base_url=gw.url, api_key=gw.api_key) as client:
+            delivered = []
+            for batch in client.rollouts.stream(rollout.id, consumer="trainer"):
+                delivered.extend(batch)
+                batch.ack()
+            assert len(delivered) == 4 and all(e.status == "completed" for e in delivered)
+            assert len({(e.group_id, e.sample_index) for e in delivered}) == 4
+            interrupted = [e for e in client.episodes.list(rollout_id=rollout.id) if e.status == "failed"]
+            assert interrupted and all("restart" in (e.error or "") for e in interrupted)
+            assert client.rollouts.get(rollout.id).status == "completed"
+        assert leftover_sandboxes(backend, node, tmp_path) == []

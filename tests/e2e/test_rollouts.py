@@ -117,3 +117,38 @@ def test_cancel_stops_a_rollout(client, task_ids):
     final = wait_done(client, rollout.id, timeout_s=60)
     assert final.status == "cancelled"
     assert all(e.status == "failed" for e in client.episodes.list(rollout_id=rollout.id))
+
+
+def test_pause_holds_policy_calls_until_resume(client, task_ids):
+    client.policies.pause("paused-policy")
+    rollout = client.rollouts.create(
+        tasks={"ids": [task_ids[TASK_NAMES[0]]]}, group_size=2,
+        policy={**ORACLE, "name": "paused-policy"}, agent={"max_turns": 4},
+    )
+    time.sleep(2.0)
+    assert all(e.num_turns == 0 for e in client.episodes.list(rollout_id=rollout.id))
+    assert client.rollouts.get(rollout.id).status in ("queued", "running")
+    client.policies.resume("paused-policy")
+    assert wait_done(client, rollout.id).status == "completed"
+    assert {e.reward for e in client.episodes.list(rollout_id=rollout.id)} == {1.0}
+
+
+def test_staleness_is_enforced_at_dispatch(client, task_ids):
+    slow = [{"tool": "bash", "arguments": {"command": "sleep 4"}}, {"tool": "submit", "arguments": {}}]
+    rollout = client.rollouts.create(
+        tasks={"ids": [task_ids[TASK_NAMES[0]]]}, group_size=1,
+        policy={"name": "stale-policy", "api": "scripted", "model": "x", "actions": slow},
+        max_staleness=0, staleness_action="dead_letter",
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        [ep] = list(client.episodes.list(rollout_id=rollout.id))
+        if ep.status == "running":
+            break
+        time.sleep(0.1)
+    time.sleep(1.5)  # the first turn is stamped with version 0 and its command is running
+    client.policies.set_version("stale-policy", 1)
+    assert wait_done(client, rollout.id).status == "completed"
+    [letter] = list(client.rollouts.dead_letters(rollout.id))
+    assert letter.status == "stale" and "dispatch" in (letter.error or "")
+    assert client.rollouts.pull(rollout.id, consumer="t").episode_ids == []
