@@ -7,9 +7,12 @@ import enum
 import posixpath
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from sandboxes.errors import PathEscapeError
+
+if TYPE_CHECKING:
+    from sandboxes.snapshots import Snapshot
 
 #: Default cap on the bytes of stdout (and, separately, stderr) kept per command.
 DEFAULT_MAX_OUTPUT_BYTES = 64 * 1024
@@ -93,8 +96,8 @@ class SandboxInfo:
 class SandboxBackend(Protocol):
     """A handful of async methods every backend implements.
 
-    Snapshot/restore arrive with branching; ``commit`` already freezes a sandbox's
-    filesystem into an image (the Dockerfile builder uses it).
+    ``snapshot``/``restore`` branch a sandbox (see :mod:`sandboxes.snapshots`);
+    ``commit`` freezes a sandbox's filesystem into an image (the Dockerfile builder uses it).
     """
 
     name: str
@@ -139,6 +142,18 @@ class SandboxBackend(Protocol):
 
     async def remove_image(self, image: str) -> None:
         """Forget ``image`` (idempotent)."""
+
+    async def snapshot(self, sandbox_id: str, *, metadata: Mapping[str, str] | None = None) -> Snapshot:
+        """Capture the sandbox's filesystem, cwd and exports (not its background processes)."""
+
+    async def restore(self, snapshot: Snapshot, n: int = 1, *, spec: SandboxSpec | None = None) -> list[SandboxInfo]:
+        """Start ``n`` independent sandboxes from ``snapshot``."""
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Forget the snapshot and free its storage once nothing uses it (idempotent)."""
+
+    async def list_snapshots(self) -> list[Snapshot]:
+        """Return the snapshots this backend holds on this node."""
 
     async def aclose(self) -> None:
         """Release the backend's own resources (not the sandboxes)."""

@@ -46,7 +46,7 @@ import re
 import socket
 import tarfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -91,6 +91,16 @@ from sandboxes.shell import (
     ShellChannel,
     ansi_c_quote,
 )
+from sandboxes.snapshots import (
+    CAPTURE_COMMAND,
+    CAPTURE_MAX_BYTES,
+    SNAPSHOT_REPOSITORY,
+    Snapshot,
+    parse_exported,
+    restore_command,
+    snapshot_id,
+    snapshot_metadata,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +108,9 @@ logger = logging.getLogger(__name__)
 LABEL_BACKEND = "forkyard.backend"
 #: Label holding the JSON list of label keys the spec set (the rest came from the image).
 LABEL_KEYS = "forkyard.labels"
+#: Image labels of snapshots: the snapshot's description (JSON) and the node that made it.
+LABEL_SNAPSHOT = "forkyard.snapshot"
+LABEL_SNAPSHOT_NODE = "forkyard.snapshot.node"
 DEFAULT_DOCKER_URL = "unix:///var/run/docker.sock"
 SHELL_ARGV = ["/bin/bash", "--noprofile", "--norc"]
 
@@ -848,6 +861,171 @@ class DockerBackend:
             await self._call("remove an image", self._api.remove_image, image)
         except docker.errors.NotFound:
             pass
+
+    # -- snapshots --------------------------------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, *, metadata: Mapping[str, str] | None = None) -> Snapshot:
+        """Commit the container (paused while it is copied) to a snapshot image with its shell state.
+
+        The image is ``forkyard/snapshot:<id>`` and carries the snapshot as JSON in its
+        ``forkyard.snapshot`` label. Background processes are not captured.
+        """
+        sbx = await self._sandbox(sandbox_id)
+        meta = snapshot_metadata(metadata)
+        async with sbx.lock:
+            if sbx.destroyed:
+                raise SandboxNotFoundError(f"sandbox {sandbox_id!r} was destroyed")
+            assert sbx.channel is not None
+            if sbx.channel.broken:
+                await self._restart(sbx, hung=False)
+            state = await sbx.channel.run(CAPTURE_COMMAND, timeout_s=_READY_TIMEOUT_S, max_output_bytes=CAPTURE_MAX_BYTES)
+            if state.exit_code != 0 or state.timed_out or state.truncated:
+                raise SandboxError(
+                    f"cannot read the shell state of sandbox {sbx.id[:12]}: exit {state.exit_code} "
+                    f"{state.stderr.strip()[-300:]}"
+                )
+            env = parse_exported(state.stdout)
+            cwd = state.cwd or sbx.workdir
+            attrs = await self._inspect(sbx.id)
+            config = attrs.get("Config") or {}
+            host = attrs.get("HostConfig") or {}
+            image = config.get("Image") or ""
+            base = {
+                "backend": self.name, "node": self.node, "image": image, "cwd": cwd, "env": env,
+                "workdir": sbx.workdir, "metadata": meta,
+                "resources": {"cpus": (host.get("NanoCpus") or 1e9) / 1e9,
+                              "memory_mb": (host.get("Memory") or 1 << 30) // (1 << 20),
+                              "pids": host.get("PidsLimit") or 256},
+                "network": (host.get("NetworkMode") or "none") != "none",
+            }  # fmt: skip
+            labels = {LABEL_SNAPSHOT: json.dumps(base), LABEL_SNAPSHOT_NODE: self.node}
+            try:
+                out = await self._call(
+                    "commit a snapshot", self._api.commit, sbx.id, pause=True, conf={"Labels": labels}
+                )
+            except docker.errors.NotFound as exc:
+                raise SandboxNotFoundError(f"no sandbox {sandbox_id!r} on docker node {self.node!r}") from exc
+        image_id = out["Id"]
+        sid = snapshot_id({**base, "digest": image_id})
+        try:
+            await self._call("tag a snapshot", self._api.tag, image_id, SNAPSHOT_REPOSITORY, sid)
+        except BaseException:
+            await self._drop_image(image_id)
+            raise
+        snap = self._snapshot_from(sid, image_id, base, time.time())
+        logger.info("docker sandbox %s: snapshot %s", sbx.id[:12], sid)
+        return snap
+
+    def _snapshot_from(self, sid: str, image_id: str, base: dict, created_at: float) -> Snapshot:
+        return Snapshot.from_json(
+            {
+                **base,
+                "id": sid,
+                "ref": f"{SNAPSHOT_REPOSITORY}:{sid}",
+                "layers": [],
+                "digest": image_id,
+                "created_at": created_at,
+            }
+        )
+
+    async def _drop_image(self, image: str) -> bool:
+        """Remove ``image`` unless something still uses it; return whether it is gone."""
+        try:
+            await self._call("remove a snapshot image", self._api.remove_image, image)
+        except docker.errors.NotFound:
+            return True
+        except SandboxError as exc:
+            logger.debug("snapshot image %s kept: %s", image, exc)
+            return False
+        return True
+
+    async def restore(self, snapshot: Snapshot, n: int = 1, *, spec: SandboxSpec | None = None) -> list[SandboxInfo]:
+        """Start ``n`` containers from the snapshot's image and re-apply its cwd and exports.
+
+        ``spec`` (optional) sets resources, network and labels; its env is exported on top
+        of the snapshot's and its image is ignored.
+        """
+        self._check_open()
+        if snapshot.backend != self.name or not snapshot.ref:
+            raise SandboxError(f"snapshot {snapshot.id} was not made by a docker backend")
+        if n < 1:
+            raise SandboxError(f"restore needs n >= 1, got {n}")
+        if not await self.has_image(snapshot.ref):
+            raise SandboxNotFoundError(f"no snapshot {snapshot.id!r} on docker node {self.node!r}")
+        # The engine gives every container its own HOSTNAME.
+        env = {k: v for k, v in snapshot.env.items() if k != "HOSTNAME"}
+        env.update(spec.env if spec else {})
+        eff = SandboxSpec(
+            image=snapshot.ref,
+            resources=spec.resources if spec else snapshot.resources,
+            network=spec.network if spec else snapshot.network,
+            env=env,
+            workdir=snapshot.workdir,
+            labels=dict(spec.labels) if spec else {},
+        )
+        command = restore_command(env, snapshot.cwd, keep=["HOSTNAME"])
+
+        async def one() -> SandboxInfo:
+            info = await self.create(eff)
+            try:
+                r = await self.exec(info.id, command, timeout_s=_READY_TIMEOUT_S)
+                if r.exit_code != 0:
+                    raise SandboxError(
+                        f"cannot restore the shell state of snapshot {snapshot.id} in sandbox {info.id[:12]}: "
+                        f"{r.stderr.strip()[-300:]}"
+                    )
+            except BaseException:
+                await asyncio.shield(self.destroy(info.id))
+                raise
+            return info
+
+        results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for info in made:
+                await self.destroy(info.id)
+            raise failed[0]
+        return made
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Untag the snapshot image and delete every untagged snapshot image of this node nothing uses."""
+        self._check_open()
+        ref = f"{SNAPSHOT_REPOSITORY}:{snapshot_id}"
+        try:
+            # By tag and forced: only untags while containers still use the image.
+            await self._call("remove a snapshot", self._api.remove_image, ref, force=True)
+        except docker.errors.NotFound:
+            pass
+        leftovers = await self._call(
+            "list snapshot images",
+            self._api.images,
+            filters={"dangling": True, "label": f"{LABEL_SNAPSHOT_NODE}={self.node}"},
+        )
+        for entry in leftovers:
+            await self._drop_image(entry["Id"])
+
+    async def list_snapshots(self) -> list[Snapshot]:
+        """Return the snapshot images of this node."""
+        self._check_open()
+        entries = await self._call(
+            "list snapshot images",
+            self._api.images,
+            name=SNAPSHOT_REPOSITORY,
+            filters={"label": f"{LABEL_SNAPSHOT_NODE}={self.node}"},
+        )
+        out = []
+        for entry in entries:
+            labels = entry.get("Labels") or {}
+            try:
+                base = json.loads(labels.get(LABEL_SNAPSHOT, ""))
+            except ValueError:
+                continue
+            for tag in entry.get("RepoTags") or []:
+                repo, _, sid = tag.rpartition(":")
+                if repo == SNAPSHOT_REPOSITORY and sid:
+                    out.append(self._snapshot_from(sid, entry["Id"], base, float(entry.get("Created") or 0)))
+        return out
 
     async def aclose(self) -> None:
         """Close the attach sockets and the engine client.

@@ -3,7 +3,8 @@
 Layout under ``root_dir``::
 
     images/<name>/<tag>.json    {"layers": [abs dirs, bottom..top], "config": {env, workdir, user}}
-    layers/<id>/                 frozen upper dirs (commit; later snapshots)
+    layers/<id>/                 frozen upper dirs (commit, snapshot) and squashed layers
+    snapshots/<id>.json          snapshots: layer list, shell state, source (see snapshot())
     sandboxes/<id>/{upper,work,merged,meta.json}
 
 A sandbox is an overlay mount (the image's layers read-only below a private upper
@@ -35,12 +36,14 @@ import re
 import secrets
 import shlex
 import shutil
+import signal
 import socket
 import stat
 import struct
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,6 +86,17 @@ from sandboxes.shell import (
     STDERR,
     STDOUT,
     ShellChannel,
+)
+from sandboxes.snapshots import (
+    CAPTURE_COMMAND,
+    CAPTURE_MAX_BYTES,
+    Snapshot,
+    parse_exported,
+    restore_command,
+    snapshot_id,
+    snapshot_metadata,
+    squash_layers,
+    tree_digest,
 )
 
 logger = logging.getLogger(__name__)
@@ -391,7 +405,10 @@ class LocalBackend:
         self._images = self.root_dir / "images"
         self._layers = self.root_dir / "layers"
         self._sandboxes_dir = self.root_dir / "sandboxes"
-        for d in (self._images, self._layers, self._sandboxes_dir):
+        self._snapshots = self.root_dir / "snapshots"
+        self.max_snapshot_layers = 16
+        """A snapshot with more layers than this gets its upper layers squashed into one."""
+        for d in (self._images, self._layers, self._sandboxes_dir, self._snapshots):
             d.mkdir(parents=True, exist_ok=True)
         self._sandboxes: dict[str, _Sandbox] = {}
         self._destroying: dict[str, asyncio.Future[None]] = {}
@@ -455,6 +472,11 @@ class LocalBackend:
         for sdir in self._sandboxes_dir.iterdir():
             meta = self._read_meta(sdir.name) or {}
             used.update(meta.get("layers", []))
+        for snap in self._snapshots.glob("*.json"):
+            try:
+                used.update(json.loads(snap.read_text()).get("layers", []))
+            except (OSError, ValueError):
+                continue
         return used
 
     async def seal_upper(self, sandbox_id: str) -> Path:
@@ -504,6 +526,177 @@ class LocalBackend:
                 {"layers": [*layers, str(layer)], "config": _config_to_json(config), "created_at": time.time()},
             )
 
+    # -------------------------------------------------------------- snapshots
+
+    def _snapshot_path(self, snapshot_id: str) -> Path:
+        if not _ID_RE.fullmatch(snapshot_id):
+            raise SandboxError(f"invalid snapshot id {snapshot_id!r}")
+        return self._snapshots / f"{snapshot_id}.json"
+
+    def _freeze(self, sb: _Sandbox) -> list[int]:
+        """SIGSTOP the sandbox's processes other than its shell so its upper dir holds still."""
+        shell = sb.shell
+        skip = {shell.pid, shell.init_pid} if shell is not None else set()
+        stopped = []
+        for pid in sb.cgroup.pids():
+            if pid in skip:
+                continue
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except ProcessLookupError:
+                pass
+        return stopped
+
+    @staticmethod
+    def _thaw(pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    async def snapshot(self, sandbox_id: str, *, metadata: Mapping[str, str] | None = None) -> Snapshot:
+        """Capture the sandbox's filesystem, cwd and exports as an immutable snapshot.
+
+        The sandbox's upper dir is copied (``cp -a``, whiteouts and opaque dirs kept) into
+        a new read-only layer while its other processes are stopped (SIGSTOP) and no
+        command runs; the live sandbox goes on with its own upper dir, which now sits on
+        the same content as the snapshot. An overlay cannot swap the upper dir of a
+        mounted sandbox, and copying a small change costs milliseconds. Restoring then
+        mounts fresh overlays over the snapshot's layers, with no copy per branch. More
+        than :attr:`max_snapshot_layers` layers are squashed into two (the bottom image
+        layer and one merged layer). Background processes are not captured.
+        """
+        self._check_open()
+        sb = self._live(sandbox_id)
+        meta = snapshot_metadata(metadata)
+        async with self._images_lock:  # no layer GC while the new layer has no owner yet
+            async with sb.lock:
+                if sb.destroyed:
+                    raise SandboxNotFoundError(f"sandbox {sandbox_id} was destroyed")
+                if sb.shell is None or sb.shell.channel.closed:
+                    await self._respawn(sb, sb.shell.channel.cwd if sb.shell else None)
+                state = await sb.shell.channel.run(
+                    CAPTURE_COMMAND, timeout_s=READY_TIMEOUT_S, max_output_bytes=CAPTURE_MAX_BYTES
+                )
+                if state.exit_code != 0 or state.timed_out or state.truncated:
+                    raise SandboxError(
+                        f"cannot read the shell state of sandbox {sandbox_id}: exit {state.exit_code} "
+                        f"{state.stderr.strip()[-300:]}"
+                    )
+                env = parse_exported(state.stdout)
+                cwd = state.cwd or sb.workdir
+                stopped = self._freeze(sb)
+                try:
+                    layer = await self.seal_upper(sandbox_id)
+                finally:
+                    self._thaw(stopped)
+            layers = [*sb.layers, str(layer)]
+            if len(layers) > self.max_snapshot_layers:
+                layers = [layers[0], str(await self._squash(layers[1:]))]
+                await asyncio.to_thread(shutil.rmtree, layer, True)
+            digest = await asyncio.to_thread(tree_digest, layers[-1])
+            description = {
+                "backend": self.name, "node": self.node, "image": sb.image, "digest": digest,
+                "layers": [os.path.basename(p) if p.startswith(str(self._layers)) else p for p in layers],
+                "cwd": cwd, "env": env, "workdir": sb.workdir, "metadata": meta,
+            }  # fmt: skip
+            snap = Snapshot(
+                id=snapshot_id(description), backend=self.name, node=self.node, image=sb.image, ref="",
+                layers=tuple(layers), cwd=cwd, env=env, workdir=sb.workdir, config=sb.config,
+                resources=sb.spec.resources, network=sb.spec.network, digest=digest, created_at=time.time(),
+                metadata=meta,
+            )  # fmt: skip
+            _write_json(self._snapshot_path(snap.id), snap.to_json())
+        logger.debug("sandbox %s: snapshot %s (%d layers)", sandbox_id, snap.id, len(layers))
+        return snap
+
+    async def _squash(self, layers: list[str]) -> Path:
+        """Merge ``layers`` (bottom to top) into one new layer dir and return it."""
+        layer_id = secrets.token_hex(16)
+        tmp = self._layers / f".tmp-{layer_id}"
+        tmp.mkdir()
+        try:
+            await asyncio.to_thread(squash_layers, layers, tmp)
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+            raise
+        final = self._layers / layer_id
+        os.rename(tmp, final)
+        return final
+
+    async def restore(self, snapshot: Snapshot, n: int = 1, *, spec: SandboxSpec | None = None) -> list[SandboxInfo]:
+        """Start ``n`` sandboxes on fresh overlays over the snapshot's layers, with its cwd and exports.
+
+        ``spec`` (optional) sets resources, network and labels; its env is exported on top
+        of the snapshot's and its image is ignored (the filesystem is the snapshot's).
+        """
+        self._check_open()
+        if snapshot.backend != self.name or not snapshot.layers:
+            raise SandboxError(f"snapshot {snapshot.id} was not made by a local backend")
+        if n < 1:
+            raise SandboxError(f"restore needs n >= 1, got {n}")
+        if not self._snapshot_path(snapshot.id).is_file():
+            raise SandboxNotFoundError(f"no snapshot {snapshot.id!r} on node {self.node!r}")
+        env = {**snapshot.env, **(spec.env if spec else {})}
+        eff = SandboxSpec(
+            image=snapshot.image,
+            resources=spec.resources if spec else snapshot.resources,
+            network=spec.network if spec else snapshot.network,
+            env=env,
+            workdir=snapshot.workdir,
+            labels=dict(spec.labels) if spec else {},
+        )
+        source = (list(snapshot.layers), snapshot.config)
+        command = restore_command(env, snapshot.cwd)
+
+        async def one() -> SandboxInfo:
+            info = await create_cancel_safe(self._create(eff, source), self.destroy)
+            try:
+                r = await self.exec(info.id, command, timeout_s=READY_TIMEOUT_S)
+                if r.exit_code != 0:
+                    raise SandboxError(
+                        f"cannot restore the shell state of snapshot {snapshot.id} in sandbox {info.id}: "
+                        f"{r.stderr.strip()[-300:]}"
+                    )
+            except BaseException:
+                await asyncio.shield(self.destroy(info.id))
+                raise
+            return info
+
+        results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for info in made:
+                await self.destroy(info.id)
+            raise failed[0]
+        return made
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Delete the snapshot and every layer nothing else (image, sandbox, snapshot) uses."""
+        path = self._snapshot_path(snapshot_id)
+        async with self._images_lock:
+            path.unlink(missing_ok=True)
+            used = self._used_layers()
+            for layer in self._layers.iterdir():
+                if not layer.name.startswith(".") and str(layer) not in used:
+                    await asyncio.to_thread(shutil.rmtree, layer, True)
+
+    async def list_snapshots(self) -> list[Snapshot]:
+        """Return the snapshots stored under root_dir/snapshots for this node."""
+        out = []
+        for path in sorted(self._snapshots.glob("*.json")):
+            try:
+                snap = Snapshot.from_json(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError, TypeError):
+                logger.warning("unreadable snapshot file %s", path)
+                continue
+            if snap.node == self.node:
+                out.append(snap)
+        return out
+
     # -------------------------------------------------------------- sandboxes
 
     def _sandbox_dir(self, sandbox_id: str) -> Path:
@@ -546,14 +739,18 @@ class LocalBackend:
         """Mount an overlay of ``spec.image``, start its shell in new namespaces and a cgroup."""
         return await create_cancel_safe(self._create(spec), self.destroy)
 
-    async def _create(self, spec: SandboxSpec) -> SandboxInfo:
+    async def _create(self, spec: SandboxSpec, source: tuple[list[str], ImageConfig] | None = None) -> SandboxInfo:
+        """Create a sandbox of ``spec``; ``source`` (layers, config) replaces the image's (restore)."""
         self._check_open()
         res = spec.resources
         if res.cpus <= 0 or res.memory_mb <= 0 or res.pids <= 0:
             raise SandboxError(f"resources must be positive, got {res}")
-        manifest = self._load_manifest(spec.image)
-        layers = list(manifest["layers"])
-        config = _config_from_json(manifest.get("config") or {})
+        if source is None:
+            manifest = self._load_manifest(spec.image)
+            layers = list(manifest["layers"])
+            config = _config_from_json(manifest.get("config") or {})
+        else:
+            layers, config = list(source[0]), source[1]
         while True:
             sid = secrets.token_hex(6)
             sdir = self._sandboxes_dir / sid

@@ -1,0 +1,315 @@
+"""Snapshots of a sandbox: the :class:`Snapshot` value type and helpers both backends share.
+
+A snapshot is immutable and content-addressed. It holds:
+
+- the filesystem: for ``local`` the overlay layer list (the image's layers plus a sealed
+  copy of the sandbox's upper dir); for ``docker`` an image committed from the container
+  (repository ``forkyard/snapshot``, tag = the snapshot id);
+- the logical state of the persistent shell: its working directory and its exported
+  variables (not shell-local variables, functions, aliases or traps);
+- where it came from (source image, workdir, resources, network) so ``restore`` can make
+  sandboxes like the original.
+
+Background processes are NOT captured: a restored sandbox starts with only its shell.
+Every snapshot says so in ``metadata["background_processes"]``.
+
+The id is the first 32 hex digits of the sha256 of the snapshot's canonical description
+(:func:`snapshot_id`): its backend, node, filesystem reference (layer refs plus a digest of
+the new layer's tree listing, or the committed image's id), shell state and metadata.
+Equal ids therefore mean equal content; the creation time is not part of it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sandboxes.base import ImageConfig, Resources
+from sandboxes.errors import SandboxError
+from sandboxes.shell import ansi_c_quote
+
+#: Metadata key (and value) every snapshot carries: running processes are not part of it.
+BACKGROUND_PROCESSES_KEY = "background_processes"
+BACKGROUND_PROCESSES_NOT_CAPTURED = "not captured"
+#: Docker repository of snapshot images; the tag is the snapshot id.
+SNAPSHOT_REPOSITORY = "forkyard/snapshot"
+#: Variables the shell maintains itself; never captured nor restored.
+SHELL_OWNED_VARS = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})
+#: Output cap when reading a shell's exported variables.
+CAPTURE_MAX_BYTES = 16 << 20
+
+_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+# Only builtins: prints NAME=VALUE\0 for every exported variable (values may hold newlines).
+CAPTURE_COMMAND = 'for __fy_n in $(compgen -e); do printf \'%s=%s\\0\' "$__fy_n" "${!__fy_n}"; done; unset __fy_n'
+OVERLAY_OPAQUE_XATTR = "trusted.overlay.opaque"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """An immutable, content-addressed capture of a sandbox's filesystem and shell state."""
+
+    id: str
+    backend: str
+    node: str
+    image: str
+    """The image the snapshotted sandbox was created from."""
+    ref: str
+    """docker: the snapshot image reference; local: empty (see ``layers``)."""
+    layers: tuple[str, ...] = ()
+    """local: overlay layer dirs, bottom to top; docker: empty."""
+    cwd: str = "/"
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Exported variables of the persistent shell."""
+    workdir: str = "/"
+    """The snapshotted sandbox's working directory (relative file paths start there)."""
+    config: ImageConfig = field(default_factory=ImageConfig)
+    resources: Resources = field(default_factory=Resources)
+    network: bool = False
+    digest: str = ""
+    """sha256 of the filesystem part (new layer's tree listing, or the image id)."""
+    created_at: float = 0.0
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the snapshot as plain JSON data."""
+        return {
+            "id": self.id,
+            "backend": self.backend,
+            "node": self.node,
+            "image": self.image,
+            "ref": self.ref,
+            "layers": list(self.layers),
+            "cwd": self.cwd,
+            "env": dict(self.env),
+            "workdir": self.workdir,
+            "config": {
+                "env": dict(self.config.env),
+                "workdir": self.config.workdir,
+                "user": self.config.user,
+            },
+            "resources": {
+                "cpus": self.resources.cpus,
+                "memory_mb": self.resources.memory_mb,
+                "pids": self.resources.pids,
+            },
+            "network": self.network,
+            "digest": self.digest,
+            "created_at": self.created_at,
+            "metadata": dict(self.metadata),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Snapshot:
+        """Build a snapshot from :meth:`to_json` data."""
+        config = data.get("config") or {}
+        res = data.get("resources") or {}
+        return cls(
+            id=data["id"],
+            backend=data["backend"],
+            node=data.get("node", ""),
+            image=data.get("image", ""),
+            ref=data.get("ref", ""),
+            layers=tuple(data.get("layers") or ()),
+            cwd=data.get("cwd") or "/",
+            env=dict(data.get("env") or {}),
+            workdir=data.get("workdir") or "/",
+            config=ImageConfig(
+                env=dict(config.get("env") or {}),
+                workdir=config.get("workdir") or "/",
+                user=config.get("user") or "root",
+            ),
+            resources=Resources(**res) if res else Resources(),
+            network=bool(data.get("network", False)),
+            digest=data.get("digest", ""),
+            created_at=float(data.get("created_at") or 0.0),
+            metadata=dict(data.get("metadata") or {}),
+        )
+
+
+def snapshot_metadata(extra: Mapping[str, str] | None) -> dict[str, str]:
+    """Return the caller's metadata plus the note that background processes are not captured."""
+    out = {str(k): str(v) for k, v in (extra or {}).items()}
+    out[BACKGROUND_PROCESSES_KEY] = BACKGROUND_PROCESSES_NOT_CAPTURED
+    return out
+
+
+def snapshot_id(description: Mapping[str, Any]) -> str:
+    """Return the content address of a snapshot's canonical description."""
+    blob = json.dumps(
+        description, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def parse_exported(stdout: str) -> dict[str, str]:
+    """Parse :data:`CAPTURE_COMMAND` output into {name: value}, leaving out shell-owned names."""
+    env: dict[str, str] = {}
+    for item in stdout.split("\0"):
+        name, sep, value = item.partition("=")
+        if sep and _VAR_NAME.match(name) and name not in SHELL_OWNED_VARS:
+            env[name] = value
+    return env
+
+
+def restore_command(
+    env: Mapping[str, str], cwd: str, *, keep: Iterable[str] = ()
+) -> str:
+    """Return a shell command making the exports exactly ``env`` (plus ``keep`` as is) and the cwd ``cwd``."""
+    names = {n for n in [*env, *keep] if _VAR_NAME.match(n)} | SHELL_OWNED_VARS
+    pattern = "|".join(sorted(names))
+    parts = [
+        f'for __fy_n in $(compgen -e); do case $__fy_n in {pattern}) ;; *) unset "$__fy_n" 2>/dev/null;; esac; done',
+        "unset __fy_n",
+    ]
+    parts += [
+        f"export {n}={ansi_c_quote(env[n])}" for n in sorted(env) if _VAR_NAME.match(n)
+    ]
+    parts.append(f"cd -- {ansi_c_quote(cwd)}")
+    return "; ".join(parts)
+
+
+def tree_digest(root: str | os.PathLike) -> str:
+    """Return the sha256 of a directory tree's listing (names, modes, owners, sizes, mtimes, xattrs)."""
+    h = hashlib.sha256()
+    base = os.fspath(root)
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            rel = os.path.relpath(path, base)
+            target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else ""
+            try:
+                xattrs = sorted(os.listxattr(path, follow_symlinks=False))
+            except OSError:
+                xattrs = []
+            h.update(
+                f"{rel}\0{st.st_mode:o}\0{st.st_uid}\0{st.st_gid}\0{st.st_size}\0{st.st_mtime_ns}\0"
+                f"{st.st_rdev}\0{target}\0{','.join(xattrs)}\n".encode(
+                    "utf-8", "surrogateescape"
+                )
+            )
+    return h.hexdigest()
+
+
+def _is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _copy_meta(src: str, dst: str, st: os.stat_result) -> None:
+    """Give ``dst`` the owner, mode, xattrs and times of ``src``."""
+    os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
+    if not stat.S_ISLNK(st.st_mode):
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+    try:
+        for name in os.listxattr(src, follow_symlinks=False):
+            os.setxattr(
+                dst,
+                name,
+                os.getxattr(src, name, follow_symlinks=False),
+                follow_symlinks=False,
+            )
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTSUP, errno.EPERM):
+            raise
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def _remove(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def apply_layer(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Lay overlay layer ``src`` on top of layer dir ``dst`` as overlayfs would, keeping whiteouts.
+
+    Regular files are hard-linked (layers are immutable); a whiteout replaces what ``dst``
+    had and stays a whiteout (it may hide a file of a layer below both); an opaque
+    directory replaces ``dst``'s directory.
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    dir_times: list[tuple[str, os.stat_result]] = []
+    for entry in sorted(os.scandir(src), key=lambda e: e.name):
+        s = entry.path
+        d = os.path.join(dst, entry.name)
+        st = os.lstat(s)
+        if stat.S_ISDIR(st.st_mode):
+            opaque = False
+            try:
+                opaque = (
+                    os.getxattr(s, OVERLAY_OPAQUE_XATTR, follow_symlinks=False) == b"y"
+                )
+            except OSError:
+                pass
+            try:
+                dst_is_dir = stat.S_ISDIR(os.lstat(d).st_mode)
+            except FileNotFoundError:
+                dst_is_dir = None
+            if dst_is_dir is False or (dst_is_dir and opaque):
+                _remove(d)
+                dst_is_dir = None
+            if dst_is_dir is None:
+                os.mkdir(d)
+            _copy_meta(s, d, st)
+            apply_layer(s, d)
+            dir_times.append((d, st))
+            continue
+        _remove(d)
+        if _is_whiteout(st) or stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+            os.mknod(d, st.st_mode, st.st_rdev)
+        elif stat.S_ISLNK(st.st_mode):
+            os.symlink(os.readlink(s), d)
+        elif stat.S_ISFIFO(st.st_mode):
+            os.mkfifo(d, stat.S_IMODE(st.st_mode))
+        elif stat.S_ISREG(st.st_mode):
+            try:
+                os.link(s, d)
+                continue  # shares the inode and with it every attribute
+            except OSError:
+                shutil.copyfile(s, d, follow_symlinks=False)
+        else:
+            continue  # sockets are not part of a filesystem snapshot
+        _copy_meta(s, d, st)
+    for d, st in dir_times:  # children changed the mtimes; put them back
+        os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def squash_layers(layers: list[str], dst: str | os.PathLike) -> None:
+    """Merge overlay ``layers`` (bottom to top) into the empty dir ``dst``, keeping whiteouts."""
+    target = Path(dst)
+    if not target.is_dir():
+        raise SandboxError(f"cannot squash layers into {dst}: not a directory")
+    for layer in layers:
+        apply_layer(layer, target)
+
+
+__all__ = [
+    "BACKGROUND_PROCESSES_KEY",
+    "BACKGROUND_PROCESSES_NOT_CAPTURED",
+    "CAPTURE_COMMAND",
+    "SNAPSHOT_REPOSITORY",
+    "Snapshot",
+    "apply_layer",
+    "parse_exported",
+    "restore_command",
+    "snapshot_id",
+    "snapshot_metadata",
+    "squash_layers",
+    "tree_digest",
+]

@@ -1,0 +1,205 @@
+"""Snapshot and restore on every backend: branches start from one state and diverge."""
+
+from __future__ import annotations
+
+import pytest
+
+from sandboxes.base import SandboxSpec
+from sandboxes.shell import TIMEOUT_EXIT_CODE
+from sandboxes.snapshots import (
+    BACKGROUND_PROCESSES_KEY,
+    BACKGROUND_PROCESSES_NOT_CAPTURED,
+    Snapshot,
+)
+from tests.sandboxes.conftest import BASE_REF
+
+SPEC = SandboxSpec(image=BASE_REF)
+TRICKY = "two\nlines 'single' \"double\" $dollar \\back"
+
+
+def _storage_present(backend, snap: Snapshot) -> bool:
+    """Tell whether the snapshot's own storage (top layer dir or image) still exists."""
+    if backend.name == "local":
+        from pathlib import Path
+
+        return Path(snap.layers[-1]).exists()
+    import docker
+
+    client = docker.from_env()
+    try:
+        client.images.get(snap.digest)
+        return True
+    except docker.errors.ImageNotFound:
+        return False
+    finally:
+        client.close()
+
+
+def _layer_count(backend) -> int:
+    return sum(
+        1 for p in (backend.root_dir / "layers").iterdir() if not p.name.startswith(".")
+    )
+
+
+@pytest.fixture
+async def snaps(backend):
+    """Snapshots made by the test; after it, sandboxes go first, then the snapshots, checked by id."""
+    made: list[Snapshot] = []
+    yield made
+    for info in await backend.list():
+        await backend.destroy(info.id)
+    for snap in made:
+        await backend.delete_snapshot(snap.id)
+    left = [s.id for s in made if _storage_present(backend, s)]
+    known = {s.id for s in await backend.list_snapshots()}
+    assert left == [] and not known & {s.id for s in made}, (
+        f"snapshots left behind: {left} {known}"
+    )
+
+
+async def _sleep_count(backend, sid: str) -> int:
+    r = await backend.exec(sid, "ps -eo comm= | grep -c '^sleep$' || true")
+    return int(r.stdout.strip())
+
+
+async def test_branches_start_from_the_snapshot_and_diverge(backend, snaps):
+    info = await backend.create(SPEC)
+    setup = (
+        "mkdir -p /work/sub && echo original > /work/state.txt && rm /etc/issue.net && "
+        f"export TRICKY={_squote(TRICKY)} && export PLAIN=plain && unset FORKYARD_TEST_IMAGE && cd /work/sub"
+    )
+    r = await backend.exec(info.id, setup)
+    assert r.exit_code == 0, r.stderr
+    await backend.exec(info.id, "(sleep 1000 &) ; true")
+    assert await _sleep_count(backend, info.id) == 1
+
+    snap = await backend.snapshot(info.id, metadata={"step": "3"})
+    snaps.append(snap)
+    assert snap.backend == backend.name
+    assert snap.metadata[BACKGROUND_PROCESSES_KEY] == BACKGROUND_PROCESSES_NOT_CAPTURED
+    assert snap.metadata["step"] == "3"
+    assert snap.cwd == "/work/sub"
+    assert snap.env["TRICKY"] == TRICKY and "FORKYARD_TEST_IMAGE" not in snap.env
+    assert snap.id in {s.id for s in await backend.list_snapshots()}
+
+    # The original goes on, and what it does after the snapshot stays its own.
+    r = await backend.exec(
+        info.id, "echo after > /work/state.txt && export PLAIN=changed && pwd"
+    )
+    assert r.stdout == "/work/sub\n"
+
+    branches = await backend.restore(snap, 3)
+    assert len({b.id for b in branches}) == 3 and info.id not in {
+        b.id for b in branches
+    }
+    for i, branch in enumerate(branches):
+        r = await backend.exec(
+            branch.id,
+            'pwd; printf "%s|" "$TRICKY" "$PLAIN" "${FORKYARD_TEST_IMAGE-unset}"',
+        )
+        assert r.stdout == f"/work/sub\n{TRICKY}|plain|unset|", r
+        assert await backend.read_file(branch.id, "/work/state.txt") == b"original\n"
+        r = await backend.exec(
+            branch.id, "test -e /etc/issue.net && echo present || echo deleted"
+        )
+        assert r.stdout == "deleted\n"
+        assert await _sleep_count(backend, branch.id) == 0
+        r = await backend.exec(
+            branch.id, f"echo branch-{i} > ../state.txt"
+        )  # relative to the restored cwd
+        assert r.exit_code == 0
+    for i, branch in enumerate(branches):
+        r = await backend.exec(branch.id, "cat /work/state.txt")
+        assert r.stdout == f"branch-{i}\n"
+    r = await backend.exec(
+        info.id,
+        'cat /work/state.txt; echo "$PLAIN"; test -e /etc/issue.net || echo deleted',
+    )
+    assert r.stdout == "after\nchanged\ndeleted\n"
+    assert await _sleep_count(backend, info.id) == 1
+
+
+def _squote(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
+async def test_a_restored_sandbox_keeps_the_contract(backend, snaps):
+    info = await backend.create(SPEC)
+    await backend.exec(info.id, "mkdir -p /srv && cd /srv && export KEEP=1")
+    snap = await backend.snapshot(info.id)
+    snaps.append(snap)
+    [branch] = await backend.restore(
+        snap, spec=SandboxSpec(image=BASE_REF, env={"EXTRA": "x"}, labels={"k": "v"})
+    )
+    assert branch.labels["k"] == "v"
+
+    r = await backend.exec(branch.id, 'echo "$KEEP$EXTRA"; false')
+    assert (r.stdout, r.exit_code, r.cwd) == ("1x\n", 1, "/srv")
+    await backend.write_file(branch.id, "/srv/data.bin", bytes(range(256)))
+    assert await backend.read_file(branch.id, "/srv/data.bin") == bytes(range(256))
+    r = await backend.exec(branch.id, "sleep 100", timeout_s=1)
+    assert r.timed_out and r.exit_code == TIMEOUT_EXIT_CODE
+    assert await _sleep_count(backend, branch.id) == 0
+    r = await backend.exec(branch.id, 'pwd; echo "$KEEP"')
+    assert r.stdout == "/srv\n1\n"
+    # A snapshot of a branch is a snapshot like any other.
+    await backend.exec(branch.id, "echo second > gen2.txt")
+    snap2 = await backend.snapshot(branch.id)
+    snaps.append(snap2)
+    assert snap2.id != snap.id
+    [grandchild] = await backend.restore(snap2)
+    r = await backend.exec(grandchild.id, "cat gen2.txt; cat data.bin | wc -c")
+    assert r.stdout == "second\n256\n"
+
+
+async def test_delete_snapshot_frees_its_storage_once_unused(backend, snaps):
+    info = await backend.create(SPEC)
+    await backend.write_file(info.id, "/data/blob", b"x" * 4096)
+    before = _layer_count(backend) if backend.name == "local" else None
+    snap = await backend.snapshot(info.id)
+    snaps.append(snap)
+    assert _storage_present(backend, snap)
+    if before is not None:
+        assert _layer_count(backend) == before + 1
+    [branch] = await backend.restore(snap)
+
+    # Deleted while a branch uses it: forgotten at once, freed once the branch is gone.
+    await backend.delete_snapshot(snap.id)
+    assert snap.id not in {s.id for s in await backend.list_snapshots()}
+    assert await backend.read_file(branch.id, "/data/blob") == b"x" * 4096
+    r = await backend.exec(branch.id, "echo ok")
+    assert r.stdout == "ok\n"
+    await backend.destroy(branch.id)
+    await backend.delete_snapshot(snap.id)
+    assert not _storage_present(backend, snap)
+    if before is not None:
+        assert _layer_count(backend) == before
+    await backend.delete_snapshot(snap.id)  # idempotent
+    await backend.delete_snapshot("0" * 32)  # unknown id
+    # The original sandbox never depended on the snapshot.
+    assert await backend.read_file(info.id, "/data/blob") == b"x" * 4096
+
+
+@pytest.mark.local
+@pytest.mark.parametrize("backend", ["local"], indirect=True)  # layer chains are a local backend matter
+async def test_deep_chains_are_squashed(backend, snaps):
+    backend.max_snapshot_layers = 3
+    current = await backend.create(SPEC)
+    await backend.exec(current.id, "echo 0 > /gen0 && rm /etc/issue.net")
+    for gen in range(1, 5):
+        snap = await backend.snapshot(current.id)
+        snaps.append(snap)
+        assert len(snap.layers) <= 3
+        [current] = await backend.restore(snap)
+        await backend.exec(
+            current.id,
+            f"echo {gen} > /gen{gen} && rm /gen{gen - 1} && mkdir -p /dir{gen}",
+        )
+    r = await backend.exec(
+        current.id,
+        "cat /gen4; ls / | grep -c '^gen'; ls -d /dir* | wc -l; test -e /etc/issue.net || echo gone",
+    )
+    assert r.stdout == "4\n1\n4\ngone\n"
+    assert (
+        snaps[-1].layers[0] == snaps[0].layers[0]
+    )  # the image's base layer is never copied
