@@ -25,6 +25,7 @@ from gateway.sandboxes.router import router as sandboxes_router
 from gateway.sessions import service as sessions_service
 from gateway.sessions.router import router as sessions_router
 from gateway.settings import Settings
+from gateway.snapshots.router import router as snapshots_router
 from gateway.tasks.router import router as tasks_router
 from workers.runner import StageLimits
 
@@ -148,7 +149,7 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
     for router in (environments_router, tasks_router, sessions_router, sandboxes_router, rollouts_router,
-                   episodes_router, policies_router):
+                   episodes_router, policies_router, snapshots_router):
         v1.include_router(router)
     app.include_router(v1)
     return app

@@ -8,9 +8,10 @@ from gateway.policies.models import Policy
 from gateway.rollouts.models import DeliveryConsumer, DeliveryLease, EpisodeGroup, Rollout
 from gateway.sandboxes.models import Sandbox
 from gateway.sessions.models import EnvSession, SessionState
+from gateway.snapshots.models import SnapshotRecord
 from gateway.tasks.models import Task
 
 __all__ = [
     "ApiKey", "Base", "DeliveryConsumer", "DeliveryLease", "EnvSession", "Environment", "EnvironmentFamily", "Episode",
-    "EpisodeGroup", "EpisodeStep", "Policy", "Rollout", "Sandbox", "SessionState", "Task",
+    "EpisodeGroup", "EpisodeStep", "Policy", "Rollout", "Sandbox", "SessionState", "SnapshotRecord", "Task",
 ]

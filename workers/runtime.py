@@ -17,6 +17,7 @@ from sandboxes.base import LABEL_OWNER, SandboxBackend, SandboxInfo
 from workers.errors import ActionError, ImageBuildError, SessionNotFoundError
 
 if TYPE_CHECKING:
+    from sandboxes.snapshots import Snapshot
     from workers.envs.terminal import TerminalEnv
     from workers.tasks import TerminalTask
 
@@ -42,6 +43,31 @@ class StepResult:
     terminated: bool
     truncated: bool
     info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """A session's branch point: the backend snapshot of its sandbox plus the env's logical state."""
+
+    sandbox: Snapshot
+    env: dict[str, Any]
+    """:meth:`TerminalEnv.export_state` data (steps, agent time left, workdir, initial env)."""
+
+    @property
+    def id(self) -> str:
+        """The backend snapshot's id."""
+        return self.sandbox.id
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the snapshot as plain JSON data."""
+        return {"sandbox": self.sandbox.to_json(), "env": dict(self.env)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SessionSnapshot:
+        """Build a session snapshot from :meth:`to_json` data."""
+        from sandboxes.snapshots import Snapshot
+
+        return cls(sandbox=Snapshot.from_json(data["sandbox"]), env=dict(data.get("env") or {}))
 
 
 class WorkerRuntime:
@@ -161,6 +187,68 @@ class WorkerRuntime:
         if env is not None:
             await env.close()
             logger.info("session %s closed", session_id)
+
+    async def snapshot_session(
+        self, session_id: str, *, metadata: Mapping[str, str] | None = None
+    ) -> SessionSnapshot:
+        """Snapshot an open session between steps: its sandbox and its env's logical state.
+
+        Raises:
+            SessionNotFoundError: no such open session here.
+            SessionClosedError: its episode has ended.
+        """
+        snap, state = await self._env(session_id).snapshot(metadata=metadata)
+        logger.info("session %s: snapshot %s", session_id, snap.id)
+        return SessionSnapshot(snap, state)
+
+    async def fork_session(
+        self, snapshot: SessionSnapshot, new_session_ids: list[str], task: TerminalTask, *,
+        labels: Mapping[str, str] | None = None,
+    ) -> list[SessionOpened]:
+        """Restore one sandbox per new session id and continue the episode from ``snapshot`` in each.
+
+        All or nothing: if one restore fails, the sandboxes already made are destroyed.
+        """
+        from sandboxes.base import SandboxSpec
+        from workers.envs.terminal import TOOLS, TerminalEnv
+
+        taken = [s for s in new_session_ids if s in self._envs]
+        if taken or len(set(new_session_ids)) != len(new_session_ids):
+            raise ActionError(f"sessions {', '.join(taken) or 'given twice'} are already open")
+        src = snapshot.sandbox
+
+        def labels_of(session_id: str) -> dict[str, str]:
+            return {LABEL_OWNER: session_id, "forkyard.task": task.name, **(labels or {})}
+
+        async def one(session_id: str) -> SandboxInfo:
+            spec = SandboxSpec(image=src.image, resources=src.resources, network=src.network,
+                               labels=labels_of(session_id))
+            (info,) = await self.backend.restore(src, 1, spec=spec)
+            return info
+
+        results = await asyncio.gather(*(one(s) for s in new_session_ids), return_exceptions=True)
+        made = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for info in made:
+                try:
+                    await self.backend.destroy(info.id)
+                except Exception:
+                    logger.exception("destroying sandbox %s after a failed fork failed", info.id)
+            raise failed[0]
+        opened = []
+        for session_id, info in zip(new_session_ids, made, strict=True):
+            self._envs[session_id] = TerminalEnv.from_snapshot(
+                task, self.backend, info, snapshot.env, labels=labels_of(session_id)
+            )
+            opened.append(SessionOpened(session_id, info, task.instruction, list(TOOLS)))
+        logger.info("snapshot %s forked into %d session(s)", src.id, len(opened))
+        return opened
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """Free a backend snapshot (idempotent)."""
+        await self.backend.delete_snapshot(snapshot_id)
+        logger.info("snapshot %s deleted", snapshot_id)
 
     async def list_sandboxes(self) -> list[SandboxInfo]:
         """Return every sandbox of this node, live or orphaned."""

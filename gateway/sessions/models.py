@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 from datetime import datetime
 
-from sqlalchemy import Enum, ForeignKey, Index, String, Text
+from typing import Any
+
+from sqlalchemy import JSON, Enum, ForeignKey, Index, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from gateway.db import Base, utcnow
@@ -39,3 +41,7 @@ class EnvSession(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
     closed_at: Mapped[datetime | None] = mapped_column(default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
+    history: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, default=None)
+    """Each step's action and outcome, oldest first (a fork starts with its snapshot's)."""
+    snapshot_id: Mapped[str | None] = mapped_column(String(40), default=None, index=True)
+    """The snapshot this session was forked from; an open fork holds it."""

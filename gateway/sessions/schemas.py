@@ -72,6 +72,8 @@ class SessionRead(BaseModel):
     closed_at: datetime | None
     node: str
     error: str | None
+    snapshot_id: str | None = None
+    """The snapshot this session was forked from, if any."""
 
 
 class SessionPage(BaseModel):

@@ -148,16 +148,21 @@ async def step_session(
         await _finish(db_session, session_id, SessionState.FAILED, error=_error_text(exc))
         await _release(runtime, session_id)
         raise
-    await db_session.execute(
-        update(EnvSession).where(EnvSession.id == session_id).values(steps=EnvSession.steps + 1)
-    )
-    await db_session.commit()
     if result.reward is not None and not math.isfinite(result.reward):
         logger.warning("session %s: non-finite reward %r reported; answering null", session_id, result.reward)
         result = dataclasses.replace(result, reward=None)
+    history = await db_session.scalar(select(EnvSession.history).where(EnvSession.id == session_id))
+    entry = {"action": {"tool": tool, "arguments": arguments}, "observation": result.observation,
+             "reward": result.reward, "terminated": result.terminated, "truncated": result.truncated}
+    await db_session.execute(
+        update(EnvSession).where(EnvSession.id == session_id)
+        .values(steps=EnvSession.steps + 1, history=[*(history or []), entry])
+    )
+    await db_session.commit()
     if result.terminated or result.truncated:
         await _finish(db_session, session_id, SessionState.TERMINATED, reward=result.reward)
         await _release(runtime, session_id)
+        await _collect_snapshots(db_session, runtime, row.node)
         logger.info("session %s ended with reward %s (truncated=%s)", session_id, result.reward, result.truncated)
     return result
 
@@ -168,6 +173,7 @@ async def close_session(*, db_session: AsyncSession, runtime: WorkerRuntime, ses
     await db_session.commit()
     await runtime.close_session(session_id)
     await _finish(db_session, session_id, SessionState.CLOSED)
+    await _collect_snapshots(db_session, runtime, row.node)
     await db_session.refresh(row)
     return row
 
@@ -181,6 +187,7 @@ async def close_node_sessions(*, db_session: AsyncSession, runtime: WorkerRuntim
         except Exception:
             logger.exception("session %s: closing at shutdown failed", session_id)
         await _finish(db_session, session_id, SessionState.CLOSED, error=reason)
+    await _collect_snapshots(db_session, runtime, node)
     return len(ids)
 
 
@@ -207,6 +214,7 @@ async def recover_node(*, db_session: AsyncSession, runtime: WorkerRuntime, node
         .values(state=SandboxState.GONE, gone_at=utcnow())
     )
     await db_session.commit()
+    await _collect_snapshots(db_session, runtime, node)
 
 
 async def _open_session_ids(db_session: AsyncSession, node: str) -> list[str]:
@@ -238,6 +246,16 @@ async def _mark_sandboxes_gone(db_session: AsyncSession, session_ids: Iterable[s
         .where(Sandbox.session_id.in_(list(session_ids)), Sandbox.gone_at.is_(None))
         .values(state=SandboxState.GONE, gone_at=now)
     )
+
+
+async def _collect_snapshots(db_session: AsyncSession, runtime: WorkerRuntime, node: str) -> None:
+    """Free deleted snapshots an ended session was the last holder of, logging rather than raising."""
+    from gateway.snapshots.service import collect_garbage
+
+    try:
+        await collect_garbage(db_session=db_session, runtime=runtime, node=node)
+    except Exception:
+        logger.exception("collecting snapshots on node %s failed", node)
 
 
 async def _release(runtime: WorkerRuntime, session_id: str) -> None:

@@ -22,7 +22,9 @@ from gateway.app import create_app
 from gateway.settings import Settings
 from sandboxes.base import LABEL_NODE, LABEL_OWNER, SandboxInfo, SandboxState
 from workers.errors import ActionError, ImageBuildError, SessionClosedError, SessionNotFoundError
-from workers.runtime import SessionOpened, StepResult
+from sandboxes.errors import SandboxNotFoundError
+from sandboxes.snapshots import Snapshot, snapshot_metadata
+from workers.runtime import SessionOpened, SessionSnapshot, StepResult
 from workers.tasks import TerminalTask
 
 NODE = "test-node"
@@ -44,6 +46,9 @@ class FakeRuntime:
         self.started = False
         self.closed = False
         self.reaped: list[str] = []
+        self.snapshots: dict[str, dict[str, Any]] = {}
+        """Backend snapshots: id -> the fake session state they captured."""
+        self.deleted_snapshots: list[str] = []
 
     async def start(self, *, progress: Callable[[str], None] | None = None) -> None:
         if progress:
@@ -94,6 +99,35 @@ class FakeRuntime:
             reward = 1.0 if session["solved"] else 0.0
             return StepResult(f"reward: {reward}", reward, True, False, {"verifier": {"exit_code": 0}})
         raise ActionError(f"unknown tool {tool!r}; the tools are bash and submit")
+
+    async def snapshot_session(self, session_id: str, *, metadata: Mapping[str, str] | None = None
+                               ) -> SessionSnapshot:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionNotFoundError(f"no open session {session_id} on node {self.node}")
+        if session["done"]:
+            raise SessionClosedError(f"session {session_id} has ended")
+        snap_id = secrets.token_hex(16)
+        self.snapshots[snap_id] = {"solved": session["solved"]}
+        snap = Snapshot(id=snap_id, backend="fake", node=self.node, image="fake/env:1", ref=f"fake/snap:{snap_id}",
+                        created_at=time.time(), metadata=snapshot_metadata(metadata))
+        return SessionSnapshot(snap, {"steps": 0, "time_left_s": 60.0})
+
+    async def fork_session(self, snapshot: SessionSnapshot, new_session_ids: list[str], task: TerminalTask, *,
+                           labels: Mapping[str, str] | None = None) -> list[SessionOpened]:
+        state = self.snapshots.get(snapshot.id)
+        if state is None:
+            raise SandboxNotFoundError(f"no snapshot {snapshot.id!r} on node {self.node!r}")
+        opened = []
+        for session_id in new_session_ids:
+            result = await self.open_session(session_id, task, labels=labels)
+            self.sessions[session_id]["solved"] = state["solved"]
+            opened.append(result)
+        return opened
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        if self.snapshots.pop(snapshot_id, None) is not None:
+            self.deleted_snapshots.append(snapshot_id)
 
     async def close_session(self, session_id: str) -> None:
         session = self.sessions.pop(session_id, None)

@@ -24,7 +24,7 @@ from tests.gateway.conftest import FakeRuntime, asgi_client, make_settings, task
 ROOT = Path(__file__).resolve().parents[2]
 PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 TABLES = {"api_key", "environment", "task", "session", "sandbox", "alembic_version", "policy", "rollout",
-          "episode_group", "episode", "episode_step", "delivery_consumer", "delivery_lease"}
+          "episode_group", "episode", "episode_step", "delivery_consumer", "delivery_lease", "snapshot"}
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +87,7 @@ def test_rollouts_revision_upgrades_a_0001_database_with_data_and_downgrades(bac
             names = set(inspect(conn).get_table_names())
             assert {"rollout", "episode", "episode_step", "delivery_lease", "policy"} <= names
             assert conn.exec_driver_sql("SELECT name FROM environment").scalars().all() == ["terminal-m"]
+        command.upgrade(cfg, "head")
         assert_schema_matches_models(url)
         command.downgrade(cfg, "0001")
         with engine.connect() as conn:
@@ -94,6 +95,41 @@ def test_rollouts_revision_upgrades_a_0001_database_with_data_and_downgrades(bac
             assert not names & {"rollout", "episode_group", "episode", "episode_step", "delivery_consumer",
                                 "delivery_lease", "policy"}
             assert conn.exec_driver_sql("SELECT name FROM environment").scalars().all() == ["terminal-m"]
+        command.downgrade(cfg, "base")
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_snapshots_revision_keeps_sessions_and_downgrades(backend, tmp_path, request):
+    url = f"sqlite:///{tmp_path / 's.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
+    cfg = alembic_config(url)
+    if backend == "postgresql":
+        command.downgrade(cfg, "base")
+    command.upgrade(cfg, "0002")
+    engine = create_engine(sync_database_url(url))
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO environment (id, name, family, version, description, created_at) "
+                "VALUES ('env_1', 'terminal-s', 'terminal', '1', '', CURRENT_TIMESTAMP)")
+            conn.exec_driver_sql(
+                "INSERT INTO task (id, name, environment_id, content_hash, instruction, metadata, archive, created_at) "
+                "VALUES ('task_1', 't', 'env_1', 'h', 'do it', '{}', '', CURRENT_TIMESTAMP)")
+            conn.exec_driver_sql(
+                "INSERT INTO session (id, task_id, state, node, steps, created_at) "
+                "VALUES ('sess_1', 'task_1', 'open', 'n', 3, CURRENT_TIMESTAMP)")
+        command.upgrade(cfg, "0003")
+        with engine.connect() as conn:
+            assert "snapshot" in set(inspect(conn).get_table_names())
+            rows = conn.exec_driver_sql("SELECT id, steps, history, snapshot_id FROM session").all()
+            assert [tuple(r) for r in rows] == [("sess_1", 3, None, None)]
+        assert_schema_matches_models(url)
+        command.downgrade(cfg, "0002")
+        with engine.connect() as conn:
+            assert "snapshot" not in set(inspect(conn).get_table_names())
+            assert {c["name"] for c in inspect(conn).get_columns("session")}.isdisjoint({"history", "snapshot_id"})
+            assert conn.exec_driver_sql("SELECT id FROM session").scalars().all() == ["sess_1"]
         command.downgrade(cfg, "base")
     finally:
         engine.dispose()

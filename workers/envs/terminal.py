@@ -28,13 +28,16 @@ import math
 import shlex
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sandboxes.base import ExecResult, Resources, SandboxBackend, SandboxInfo, SandboxSpec
 from sandboxes.errors import BackendUnavailableError, SandboxCrashedError, SandboxError, SandboxNotFoundError
 from workers.errors import ActionError, SessionClosedError, TaskFormatError
 from workers.runtime import StepResult
 from workers.tasks import SOLUTION_SCRIPT, TerminalTask
+
+if TYPE_CHECKING:
+    from sandboxes.snapshots import Snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +265,50 @@ class TerminalEnv:
             step = await self._finish(observation + "\n" + ending, truncated=out_of_time)
             step.info["oracle"] = oracle
             return step
+
+    def export_state(self) -> dict[str, Any]:
+        """Return the logical state a fork needs to continue this episode (not the sandbox)."""
+        return {
+            "image": self.image,
+            "workdir": self.workdir,
+            "steps": self.steps,
+            "time_left_s": self.time_left(),
+            "initial_env": dict(self._initial_env) if self._initial_env is not None else None,
+        }
+
+    async def snapshot(self, *, metadata: Mapping[str, str] | None = None) -> tuple[Snapshot, dict[str, Any]]:
+        """Snapshot the sandbox between steps; return (the backend snapshot, :meth:`export_state`).
+
+        Raises:
+            SessionClosedError: the episode has ended or the env is closed.
+        """
+        async with self._lock:
+            self._check_open()
+            snap = await self.backend.snapshot(self._sandbox_id(), metadata=metadata)
+            return snap, self.export_state()
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        task: TerminalTask,
+        backend: SandboxBackend,
+        sandbox: SandboxInfo,
+        state: Mapping[str, Any],
+        *,
+        labels: Mapping[str, str] | None = None,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    ) -> TerminalEnv:
+        """Wrap a sandbox restored from a snapshot in an env continuing from :meth:`export_state` data."""
+        env = cls(task, backend, image=state.get("image") or sandbox.image, labels=labels,
+                  max_output_bytes=max_output_bytes)
+        env.sandbox = sandbox
+        env.workdir = state.get("workdir") or "/"
+        env.steps = int(state.get("steps") or 0)
+        initial = state.get("initial_env")
+        env._initial_env = dict(initial) if initial is not None else None
+        left = float(state.get("time_left_s", task.agent_timeout_s))
+        env._deadline = time.monotonic() + left
+        return env
 
     async def close(self) -> None:
         """Destroy the sandbox; later calls do nothing."""

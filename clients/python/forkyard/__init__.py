@@ -36,6 +36,7 @@ from ._models import (
     SandboxState,
     SessionInfo,
     SessionState,
+    Snapshot,
     StepResult,
     Task,
 )
@@ -45,6 +46,7 @@ from ._training import group_advantages
 from ._version import __version__
 from .resources.rollouts import AsyncEpisodeBatch, EpisodeBatch
 from .resources.sessions import AsyncSession, AsyncSessionOpener, Session
+from .resources.snapshots import AsyncSessionList, SessionList
 
 __all__ = [
     "__version__",
@@ -56,6 +58,8 @@ __all__ = [
     "Session",
     "AsyncSession",
     "AsyncSessionOpener",
+    "SessionList",
+    "AsyncSessionList",
     # rollouts
     "EpisodeBatch",
     "AsyncEpisodeBatch",
@@ -67,6 +71,7 @@ __all__ = [
     "Task",
     "SessionInfo",
     "SessionState",
+    "Snapshot",
     "StepResult",
     "Sandbox",
     "SandboxState",

@@ -24,6 +24,7 @@ from .resources.policies import AsyncPolicies, Policies
 from .resources.rollouts import AsyncRollouts, Rollouts
 from .resources.sandboxes import AsyncSandboxes, Sandboxes
 from .resources.sessions import AsyncSessions, Sessions
+from .resources.snapshots import AsyncSnapshots, Snapshots
 from .resources.tasks import AsyncTasks, Tasks
 
 __all__ = ["Client", "AsyncClient"]
@@ -46,6 +47,7 @@ class Client(BaseClient[httpx.Client]):
     environments: Environments
     tasks: Tasks
     sessions: Sessions
+    snapshots: Snapshots
     sandboxes: Sandboxes
     rollouts: Rollouts
     policies: Policies
@@ -72,6 +74,7 @@ class Client(BaseClient[httpx.Client]):
         self.environments = Environments(self)
         self.tasks = Tasks(self)
         self.sessions = Sessions(self)
+        self.snapshots = Snapshots(self)
         self.sandboxes = Sandboxes(self)
         self.rollouts = Rollouts(self)
         self.policies = Policies(self)
@@ -132,6 +135,7 @@ class AsyncClient(BaseClient[httpx.AsyncClient]):
     environments: AsyncEnvironments
     tasks: AsyncTasks
     sessions: AsyncSessions
+    snapshots: AsyncSnapshots
     sandboxes: AsyncSandboxes
     rollouts: AsyncRollouts
     policies: AsyncPolicies
@@ -158,6 +162,7 @@ class AsyncClient(BaseClient[httpx.AsyncClient]):
         self.environments = AsyncEnvironments(self)
         self.tasks = AsyncTasks(self)
         self.sessions = AsyncSessions(self)
+        self.snapshots = AsyncSnapshots(self)
         self.sandboxes = AsyncSandboxes(self)
         self.rollouts = AsyncRollouts(self)
         self.policies = AsyncPolicies(self)

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Generic, TypeVar, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 __all__ = [
+    "Snapshot",
     "ForkyardModel",
     "Environment",
     "Task",
@@ -102,6 +103,25 @@ class SessionInfo(ForkyardModel):
     """Only set in the answer to session creation: the first observation."""
     tools: list[dict[str, Any]] | None = None
     """Only set in the answer to session creation: the tools the agent may call."""
+    snapshot_id: str | None = None
+    """The snapshot this session was forked from, if any."""
+    history: list[dict[str, Any]] | None = None
+    """Only set in the answer to a fork: the steps taken up to the fork point."""
+
+
+class Snapshot(ForkyardModel):
+    """A snapshot of a session: fork it into new sessions continuing from that point."""
+
+    id: str
+    session_id: str
+    task_id: str
+    node: str | None = None
+    backend: str | None = None
+    kind: str = "manual"
+    pinned: bool = False
+    steps: int = 0
+    created_at: datetime | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
 
 
 class StepResult(ForkyardModel):

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 from .._base_client import RequestOptions
 from .._exceptions import NotFoundError
-from .._models import SessionInfo, StepResult
+from .._models import SessionInfo, Snapshot, StepResult
 from ._resource import Resource, path_id
+from .snapshots import snapshot_request
 
 if TYPE_CHECKING:
     from .._client import AsyncClient, Client
@@ -65,6 +66,8 @@ class _SessionBase:
         self.info = info
         self.observation = info.observation or ""
         self.tools = list(info.tools or [])
+        self.history: list[dict[str, Any]] = list(info.history or [])
+        """The steps taken before this session began (set on a fork)."""
         self.last_result = None
         self._closed = False
 
@@ -130,6 +133,10 @@ class Session(_SessionBase):
         """Finish the episode: run the verifier and return the reward."""
         return self.step(SUBMIT_TOOL)
 
+    def snapshot(self) -> Snapshot:
+        """Snapshot this session now; fork it with client.snapshots.fork(snapshot.id, n)."""
+        return self._sessions.snapshot(self.id)
+
     def refresh(self) -> SessionInfo:
         """Fetch the gateway's current record of this session (state, steps, reward)."""
         self.info = self._sessions.get(self.id)
@@ -174,6 +181,10 @@ class AsyncSession(_SessionBase):
     async def submit(self) -> StepResult:
         """Finish the episode: run the verifier and return the reward."""
         return await self.step(SUBMIT_TOOL)
+
+    async def snapshot(self) -> Snapshot:
+        """Snapshot this session now; fork it with aclient.snapshots.fork(snapshot.id, n)."""
+        return await self._sessions.snapshot(self.id)
 
     async def refresh(self) -> SessionInfo:
         """Fetch the gateway's current record of this session (state, steps, reward)."""
@@ -251,6 +262,10 @@ class Sessions(Resource):
         """Call one tool in a session; arguments come as a mapping, keywords, or both."""
         return self._client._request(_step_request(session_id, tool, arguments, kwargs))
 
+    def snapshot(self, session_id: str) -> Snapshot:
+        """Snapshot an open session (filesystem, shell cwd and exports, history; not background processes)."""
+        return self._client._request(snapshot_request(session_id))
+
     def close(self, session_id: str) -> None:
         """Close a session and free its sandbox (closing a closed session is fine)."""
         self._client._request(_close_request(session_id))
@@ -278,6 +293,10 @@ class AsyncSessions(Resource):
     ) -> StepResult:
         """Call one tool in a session; arguments come as a mapping, keywords, or both."""
         return await self._client._request(_step_request(session_id, tool, arguments, kwargs))
+
+    async def snapshot(self, session_id: str) -> Snapshot:
+        """Snapshot an open session (filesystem, shell cwd and exports, history; not background processes)."""
+        return await self._client._request(snapshot_request(session_id))
 
     async def close(self, session_id: str) -> None:
         """Close a session and free its sandbox (closing a closed session is fine)."""

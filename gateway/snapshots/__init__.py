@@ -1,0 +1,1 @@
+"""Snapshots: branch points of sessions (snapshot, fork, pin, delete, garbage collection)."""

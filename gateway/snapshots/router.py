@@ -1,0 +1,88 @@
+"""Snapshot routes: ``POST /v1/sessions/{id}/snapshot`` and ``/v1/snapshots``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Query, Response
+
+from gateway.dependencies import CurrentSettings, DbSession, Runtime
+from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
+from gateway.snapshots import service
+from gateway.snapshots.models import SnapshotRecord
+from gateway.snapshots.schemas import ForkedSession, ForkedSessions, SnapshotFork, SnapshotPage, SnapshotRead
+
+router = APIRouter(tags=["snapshots"])
+
+
+def _read(record: SnapshotRecord) -> SnapshotRead:
+    return SnapshotRead(
+        id=record.id, session_id=record.session_id, task_id=record.task_id, node=record.node,
+        backend=record.backend, kind=record.kind, pinned=record.pinned,
+        steps=len(service.snapshot_history(record)), created_at=record.created_at,
+        metadata=service.snapshot_metadata(record),
+    )
+
+
+@router.post("/sessions/{session_id}/snapshot", status_code=201, response_model=SnapshotRead)
+async def snapshot_session(session_id: str, db_session: DbSession, runtime: Runtime):
+    """Snapshot an open session (filesystem, shell cwd and exports, history); not its background processes."""
+    return _read(await service.snapshot_session(db_session=db_session, runtime=runtime, session_id=session_id))
+
+
+@router.post("/snapshots/{snapshot_id}/fork", status_code=201, response_model=ForkedSessions)
+async def fork_snapshot(
+    snapshot_id: str, body: SnapshotFork, db_session: DbSession, runtime: Runtime, settings: CurrentSettings
+):
+    """Start ``n`` sessions continuing from the snapshot, each with the history up to it."""
+    record, forks = await service.fork_snapshot(
+        db_session=db_session, runtime=runtime, snapshot_id=snapshot_id, n=body.n, node=settings.node,
+        max_open=settings.sessions.max_open,
+    )
+    history = service.snapshot_history(record)
+    return ForkedSessions(items=[
+        ForkedSession(
+            id=row.id, task_id=row.task_id, state=row.state, observation=opened.observation, tools=opened.tools,
+            sandbox_id=row.sandbox_id, created_at=row.created_at, snapshot_id=record.id, history=history,
+        )
+        for row, opened in forks
+    ])
+
+
+@router.get("/snapshots", response_model=SnapshotPage)
+async def list_snapshots(
+    db_session: DbSession,
+    session_id: str | None = None,
+    limit: int = Query(DEFAULT_LIMIT, ge=1, le=MAX_LIMIT),
+    cursor: str | None = None,
+):
+    """List live snapshots, oldest first, optionally of one source session."""
+    rows, next_cursor = await service.list_snapshots(
+        db_session=db_session, session_id=session_id or None, limit=limit, cursor=cursor
+    )
+    return SnapshotPage(items=[_read(r) for r in rows], next=next_cursor)
+
+
+@router.get("/snapshots/{snapshot_id}", response_model=SnapshotRead)
+async def get_snapshot(snapshot_id: str, db_session: DbSession):
+    """Return one snapshot."""
+    return _read(await service.get_snapshot(db_session=db_session, snapshot_id=snapshot_id))
+
+
+@router.delete("/snapshots/{snapshot_id}", status_code=204, response_class=Response)
+async def delete_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime):
+    """Delete a snapshot (409 if pinned); its storage goes once no open fork holds it."""
+    await service.delete_snapshot(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id)
+    return Response(status_code=204)
+
+
+@router.post("/snapshots/{snapshot_id}/pin", response_model=SnapshotRead)
+async def pin_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime):
+    """Pin a snapshot: it cannot be deleted until unpinned."""
+    return _read(await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id,
+                                          pinned=True))
+
+
+@router.post("/snapshots/{snapshot_id}/unpin", response_model=SnapshotRead)
+async def unpin_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime):
+    """Unpin a snapshot."""
+    return _read(await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id,
+                                          pinned=False))

@@ -1,0 +1,138 @@
+"""Snapshot and fork API logic against the fake runtime: history, reference counting, errors."""
+
+from __future__ import annotations
+
+from tests.gateway.conftest import Gateway, assert_error
+
+
+async def step(gateway: Gateway, session_id: str, command: str) -> dict:
+    response = await gateway.client.post(f"/v1/sessions/{session_id}/step",
+                                         json={"action": {"tool": "bash", "arguments": {"command": command}}})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+async def snapshot(gateway: Gateway, session_id: str) -> dict:
+    response = await gateway.client.post(f"/v1/sessions/{session_id}/snapshot")
+    assert response.status_code == 201, response.text
+    return response.json()
+
+
+async def fork(gateway: Gateway, snapshot_id: str, n: int) -> list[dict]:
+    response = await gateway.client.post(f"/v1/snapshots/{snapshot_id}/fork", json={"n": n})
+    assert response.status_code == 201, response.text
+    return response.json()["items"]
+
+
+async def test_fork_continues_with_history_and_state(gateway):
+    task = await gateway.import_task()
+    source = await gateway.open_session(task["id"])
+    await step(gateway, source["id"], "echo one")
+    await step(gateway, source["id"], "solve it")
+    snap = await snapshot(gateway, source["id"])
+    assert snap["session_id"] == source["id"] and snap["task_id"] == task["id"]
+    assert snap["pinned"] is False and snap["steps"] == 2
+    assert snap["metadata"]["background_processes"] == "not captured"
+
+    forks = await fork(gateway, snap["id"], 3)
+    assert len({f["id"] for f in forks} | {source["id"]}) == 4
+    for f in forks:
+        assert f["task_id"] == task["id"] and f["state"] == "open" and f["snapshot_id"] == snap["id"]
+        assert [h["action"]["arguments"]["command"] for h in f["history"]] == ["echo one", "solve it"]
+        assert f["observation"] == f["history"][-1]["observation"]
+        assert {t["function"]["name"] for t in f["tools"]} == {"bash", "submit"}
+        info = (await gateway.client.get(f"/v1/sessions/{f['id']}")).json()
+        assert info["steps"] == 2 and info["snapshot_id"] == snap["id"]
+    # The fork carries the state: the solved flag from before the snapshot wins the reward.
+    done = (await gateway.client.post(f"/v1/sessions/{forks[0]['id']}/step",
+                                      json={"action": {"tool": "submit"}})).json()
+    assert done["reward"] == 1.0
+    # The source goes on independently.
+    assert (await step(gateway, source["id"], "echo still here"))["observation"].startswith("still here")
+    for f in forks[1:]:
+        assert (await gateway.client.delete(f"/v1/sessions/{f['id']}")).status_code == 204
+
+
+async def test_fork_of_a_fresh_session_answers_the_instruction_and_a_fork_can_be_snapshotted(gateway):
+    task = await gateway.import_task("fresh")
+    source = await gateway.open_session(task["id"])
+    snap = await snapshot(gateway, source["id"])
+    (child,) = await fork(gateway, snap["id"], 1)
+    assert child["observation"] == source["observation"] and child["history"] == []
+    await step(gateway, child["id"], "echo in child")
+    grand = await snapshot(gateway, child["id"])
+    (grandchild,) = await fork(gateway, grand["id"], 1)
+    assert [h["observation"] for h in grandchild["history"]] == ["in child\n[exit code 0]"]
+
+
+async def test_errors(gateway):
+    task = await gateway.import_task("errs")
+    source = await gateway.open_session(task["id"])
+    snap = await snapshot(gateway, source["id"])
+    assert_error(await gateway.client.post("/v1/sessions/sess_nope/snapshot"), 404, "not_found")
+    assert_error(await gateway.client.post("/v1/snapshots/snap_nope/fork", json={"n": 1}), 404, "not_found")
+    assert_error(await gateway.client.get("/v1/snapshots/snap_nope"), 404, "not_found")
+    assert_error(await gateway.client.delete("/v1/snapshots/snap_nope"), 404, "not_found")
+    for n in (0, 65, "x"):
+        assert_error(await gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": n}), 422,
+                     "validation_error")
+    assert (await gateway.client.delete(f"/v1/sessions/{source['id']}")).status_code == 204
+    assert_error(await gateway.client.post(f"/v1/sessions/{source['id']}/snapshot"), 409, "session_closed")
+    # Closing the source does not touch its snapshots.
+    assert (await gateway.client.get(f"/v1/snapshots/{snap['id']}")).status_code == 200
+    assert (await fork(gateway, snap["id"], 1))[0]["state"] == "open"
+
+
+async def test_pin_blocks_delete_and_delete_frees_an_unheld_snapshot(gateway):
+    task = await gateway.import_task("pin")
+    source = await gateway.open_session(task["id"])
+    snap = await snapshot(gateway, source["id"])
+    assert (await gateway.client.post(f"/v1/snapshots/{snap['id']}/pin")).json()["pinned"] is True
+    assert_error(await gateway.client.delete(f"/v1/snapshots/{snap['id']}"), 409, "snapshot_pinned")
+    assert len(gateway.runtime.snapshots) == 1
+    assert (await gateway.client.post(f"/v1/snapshots/{snap['id']}/unpin")).json()["pinned"] is False
+    assert (await gateway.client.delete(f"/v1/snapshots/{snap['id']}")).status_code == 204
+    assert gateway.runtime.snapshots == {} and len(gateway.runtime.deleted_snapshots) == 1
+    assert_error(await gateway.client.get(f"/v1/snapshots/{snap['id']}"), 404, "not_found")
+    assert_error(await gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 1}), 404, "not_found")
+    assert (await gateway.client.delete(f"/v1/snapshots/{snap['id']}")).status_code == 204  # idempotent
+
+
+async def test_open_forks_hold_a_deleted_snapshot_until_they_end(gateway):
+    task = await gateway.import_task("gc")
+    source = await gateway.open_session(task["id"])
+    snap = await snapshot(gateway, source["id"])
+    a, b = await fork(gateway, snap["id"], 2)
+    assert (await gateway.client.delete(f"/v1/snapshots/{snap['id']}")).status_code == 204
+    assert_error(await gateway.client.get(f"/v1/snapshots/{snap['id']}"), 404, "not_found")
+    assert len(gateway.runtime.snapshots) == 1  # held by two open forks
+    assert (await gateway.client.delete(f"/v1/sessions/{a['id']}")).status_code == 204
+    assert len(gateway.runtime.snapshots) == 1  # still held by b
+    await gateway.client.post(f"/v1/sessions/{b['id']}/step", json={"action": {"tool": "submit"}})
+    assert gateway.runtime.snapshots == {}  # b's episode ended: the last holder let go
+
+
+async def test_list_pages_and_filters(gateway):
+    task = await gateway.import_task("list")
+    s1 = await gateway.open_session(task["id"])
+    s2 = await gateway.open_session(task["id"])
+    ids = [(await snapshot(gateway, sid))["id"] for sid in (s1["id"], s1["id"], s2["id"])]
+    first = (await gateway.client.get("/v1/snapshots", params={"limit": 2})).json()
+    second = (await gateway.client.get("/v1/snapshots", params={"limit": 2, "cursor": first["next"]})).json()
+    assert [s["id"] for s in first["items"] + second["items"]] == ids and second["next"] is None
+    only = (await gateway.client.get("/v1/snapshots", params={"session_id": s2["id"]})).json()
+    assert [s["id"] for s in only["items"]] == ids[2:]
+
+
+async def test_fork_respects_the_open_session_limit(tmp_path):
+    from gateway.app import create_app
+    from tests.gateway.conftest import FakeRuntime, asgi_client, make_settings
+
+    app = create_app(make_settings(tmp_path, sessions={"max_open": 3}), runtime=FakeRuntime())
+    async with app.router.lifespan_context(app), asgi_client(app) as client:
+        gw = Gateway(app, app.state.runtime, client)
+        task = await gw.import_task("limit")
+        source = await gw.open_session(task["id"])
+        snap = await snapshot(gw, source["id"])
+        assert_error(await client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 3}), 429, "rate_limited")
+        assert len(await fork(gw, snap["id"], 2)) == 2
