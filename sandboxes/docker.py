@@ -100,6 +100,7 @@ from sandboxes.snapshots import (
     restore_command,
     snapshot_id,
     snapshot_metadata,
+    start_branches,
 )
 
 logger = logging.getLogger(__name__)
@@ -965,28 +966,9 @@ class DockerBackend:
         )
         command = restore_command(env, snapshot.cwd, keep=["HOSTNAME"])
 
-        async def one() -> SandboxInfo:
-            info = await self.create(eff)
-            try:
-                r = await self.exec(info.id, command, timeout_s=_READY_TIMEOUT_S)
-                if r.exit_code != 0:
-                    raise SandboxError(
-                        f"cannot restore the shell state of snapshot {snapshot.id} in sandbox {info.id[:12]}: "
-                        f"{r.stderr.strip()[-300:]}"
-                    )
-            except BaseException:
-                await asyncio.shield(self.destroy(info.id))
-                raise
-            return info
-
-        results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
-        made = [r for r in results if isinstance(r, SandboxInfo)]
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            for info in made:
-                await self.destroy(info.id)
-            raise failed[0]
-        return made
+        return await start_branches(
+            self, snapshot, n, create=lambda: self.create(eff), command=command, timeout_s=_READY_TIMEOUT_S
+        )
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Untag the snapshot image and delete every untagged snapshot image of this node nothing uses."""

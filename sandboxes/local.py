@@ -96,6 +96,7 @@ from sandboxes.snapshots import (
     snapshot_id,
     snapshot_metadata,
     squash_layers,
+    start_branches,
     tree_digest,
 )
 
@@ -651,28 +652,9 @@ class LocalBackend:
         source = (list(snapshot.layers), snapshot.config)
         command = restore_command(env, snapshot.cwd)
 
-        async def one() -> SandboxInfo:
-            info = await create_cancel_safe(self._create(eff, source), self.destroy)
-            try:
-                r = await self.exec(info.id, command, timeout_s=READY_TIMEOUT_S)
-                if r.exit_code != 0:
-                    raise SandboxError(
-                        f"cannot restore the shell state of snapshot {snapshot.id} in sandbox {info.id}: "
-                        f"{r.stderr.strip()[-300:]}"
-                    )
-            except BaseException:
-                await asyncio.shield(self.destroy(info.id))
-                raise
-            return info
-
-        results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
-        made = [r for r in results if isinstance(r, SandboxInfo)]
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            for info in made:
-                await self.destroy(info.id)
-            raise failed[0]
-        return made
+        return await start_branches(
+            self, snapshot, n, create=lambda: create_cancel_safe(self._create(eff, source), self.destroy), command=command, timeout_s=READY_TIMEOUT_S
+        )
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Delete the snapshot and every layer nothing else (image, sandbox, snapshot) uses."""

@@ -21,6 +21,7 @@ Equal ids therefore mean equal content; the creation time is not part of it.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import json
@@ -28,12 +29,12 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sandboxes.base import ImageConfig, Resources
+from sandboxes.base import ImageConfig, Resources, SandboxBackend, SandboxInfo
 from sandboxes.errors import SandboxError
 from sandboxes.shell import ansi_c_quote
 
@@ -313,3 +314,42 @@ __all__ = [
     "squash_layers",
     "tree_digest",
 ]
+
+
+async def start_branches(
+    backend: SandboxBackend,
+    snapshot: Snapshot,
+    n: int,
+    *,
+    create: Callable[[], Awaitable[SandboxInfo]],
+    command: str,
+    timeout_s: float,
+) -> list[SandboxInfo]:
+    """Start ``n`` sandboxes with ``create`` and run the shell-state ``command`` in each; all or nothing.
+
+    A branch whose shell state cannot be restored is destroyed, and so are the others
+    made so far, before the first error is raised.
+    """
+
+    async def one() -> SandboxInfo:
+        info = await create()
+        try:
+            r = await backend.exec(info.id, command, timeout_s=timeout_s)
+            if r.exit_code != 0:
+                raise SandboxError(
+                    f"cannot restore the shell state of snapshot {snapshot.id} in sandbox {info.id}: "
+                    f"{r.stderr.strip()[-300:]}"
+                )
+        except BaseException:
+            await asyncio.shield(backend.destroy(info.id))
+            raise
+        return info
+
+    results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+    made = [r for r in results if isinstance(r, SandboxInfo)]
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for info in made:
+            await backend.destroy(info.id)
+        raise failed[0]
+    return made
