@@ -28,7 +28,12 @@ def main() -> int:
     expected = 0.0 if args.wrong else 1.0
     failures = 0
     with forkyard.Client() as client:
-        tasks = [t for t in client.tasks.list() if t.name in local]
+        # A name imported again with other content is a new task: solve the newest of each name.
+        newest = {}
+        for t in client.tasks.list():
+            if t.name in local and (t.name not in newest or t.created_at > newest[t.name].created_at):
+                newest[t.name] = t
+        tasks = list(newest.values())
         if not tasks:
             print(f"no task from {args.tasks_dir} is imported; run `forkyard tasks import {args.tasks_dir}`")
             return 2
