@@ -11,6 +11,16 @@ Run with ``.venv/bin/python bench/branching.py [--runs 20] [--reps 5]`` as root 
   then ``n`` concurrent ``docker run -d --network none <committed image> sleep`` processes
   (concurrent because ``restore`` is), same base image.
 
+Then, on the local backend (and docker when it is available), through the real runner
+(:func:`workers.runner.run_episode`) with a scripted policy:
+
+- tree vs linear: one trajectory tree (``--prefix`` shared turns, then ``--fanout`` branches
+  of ``--suffix`` turns each) against ``--fanout`` independent episodes of the same
+  actions, run concurrently: environment steps executed (counted by the runtime) and wall
+  time, as ratios. Every turn runs a real command (``--step-work`` of CPU in Python).
+- setup cache: ``reset()`` of ``examples/tasks/terminal/sensor-stats`` (its setup.sh builds a
+  virtualenv and a data set) cold (no cache) vs served from the setup cache, as a ratio.
+
 Before measuring it waits (at most ``--max-wait-s``) until the 1-minute load average is
 below ``--max-load``. Prints p50 and p95 in milliseconds, the per-branch time (total / n)
 and ratios against the baseline, and says which of the issue's targets are met.
@@ -46,6 +56,9 @@ BENCH_LABEL = "forkyard.bench=branching"
 TARGET_SNAPSHOT_MS = 10.0
 TARGET_FORK_PER_BRANCH_MS = 10.0
 TARGET_SPEEDUP = 20.0
+TARGET_CACHED_RESET = 10.0
+SETUP_TASK = ROOT / "examples" / "tasks" / "terminal" / "sensor-stats"
+TREE_TASK = ROOT / "examples" / "tasks" / "terminal" / "word-frequency"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -200,6 +213,110 @@ async def bench_docker_cli(image: str, runs: int, reps: int) -> dict[str, list[f
     return out
 
 
+def _step(i: int, work: float) -> dict:
+    """A bash action that does ``work`` seconds of CPU in Python and leaves a trace on disk."""
+    code = f"import time; e = time.process_time() + {work}\nwhile time.process_time() < e: pass"
+    return {"tool": "bash", "arguments": {"command": f"python3 -c '{code}' && echo {i} >> /root/trace.txt"}}
+
+
+async def bench_tree(kind: str, root: Path, *, prefix: int, suffix: int, fanout: int, work: float,
+                     reps: int) -> dict[str, list[float]]:
+    """Time one tree (prefix shared, fanout branches) against fanout linear episodes; count env steps."""
+    from workers.branching import BranchingSpec, Tree
+    from workers.policy.base import Sampling
+    from workers.policy.scripted import ScriptedPolicy
+    from workers.runner import AgentSettings, StageLimits, run_episode
+    from workers.runtime import WorkerRuntime
+    from workers.tasks import load_task_dir
+
+    backend = create_backend(kind, node=f"bench-tree-{secrets.token_hex(4)}", root_dir=root / f"tree-{kind}")
+    runtime = WorkerRuntime(backend, image_cache_dir=DEFAULT_IMAGE_CACHE)
+    task = load_task_dir(TREE_TASK)
+    actions = [_step(i, work) for i in range(prefix + suffix)] + [{"tool": "submit", "arguments": {}}]
+    settings = AgentSettings(max_turns=len(actions) + 1)
+    stages = StageLimits.of(setup=fanout, agent=fanout, verify=fanout)
+    out: dict[str, list[float]] = {"tree_s": [], "linear_s": [], "tree_steps": [], "linear_steps": []}
+    try:
+        await runtime.start()
+        await runtime.task_image(task)
+
+        async def episode(eid: str, tree: Tree | None = None):
+            return await run_episode(episode_id=eid, task=task, runtime=runtime, policy=ScriptedPolicy(actions),
+                                     settings=settings, sampling=Sampling(), stages=stages, tree=tree)
+
+        for _ in range(reps + 1):  # the first one warms up
+            results = []
+
+            async def spawn(parent: str, turn: int, n: int) -> list[str]:
+                return [f"{parent}.{turn}.{i}" for i in range(n)]
+
+            async def on_step(_eid: str, _step: object) -> None:
+                return None
+
+            async def on_finish(_eid: str, result: object) -> None:
+                results.append(result)
+
+            spec = BranchingSpec.from_dict({"at_turns": [prefix], "fanout": fanout})
+            tree = Tree(spec, root_episode_id="trunk", spawn=spawn, on_step=on_step, on_finish=on_finish,
+                        delete_snapshot=runtime.delete_snapshot)
+            before = runtime.counters["env_steps"]
+            t = time.perf_counter()
+            results.append(await episode("trunk", tree))
+            await tree.join()
+            tree_s = time.perf_counter() - t
+            tree_steps = runtime.counters["env_steps"] - before
+            assert len(results) == fanout and all(r.status == "completed" for r in results), results
+
+            before = runtime.counters["env_steps"]
+            t = time.perf_counter()
+            linear = await asyncio.gather(*(episode(f"linear-{i}") for i in range(fanout)))
+            linear_s = time.perf_counter() - t
+            linear_steps = runtime.counters["env_steps"] - before
+            assert all(r.status == "completed" for r in linear), linear
+            if _:
+                out["tree_s"].append(tree_s)
+                out["linear_s"].append(linear_s)
+                out["tree_steps"].append(tree_steps)
+                out["linear_steps"].append(linear_steps)
+    finally:
+        await runtime.aclose()
+    return out
+
+
+async def bench_setup_cache(kind: str, root: Path, reps: int) -> dict[str, list[float]]:
+    """Time reset() of the slow-setup task cold (no cache) and from the setup cache."""
+    from workers.runtime import WorkerRuntime
+    from workers.setup_cache import SetupCache
+    from workers.tasks import load_task_dir
+
+    backend = create_backend(kind, node=f"bench-cache-{secrets.token_hex(4)}", root_dir=root / f"cache-{kind}")
+    cache = SetupCache(backend, root / f"cache-index-{kind}")
+    runtime = WorkerRuntime(backend, image_cache_dir=DEFAULT_IMAGE_CACHE, setup_cache=cache)
+    cold_runtime = WorkerRuntime(backend, image_cache_dir=DEFAULT_IMAGE_CACHE)
+    task = load_task_dir(SETUP_TASK)
+    out: dict[str, list[float]] = {"cold": [], "cached": []}
+    try:
+        await runtime.start()
+        image = await runtime.task_image(task)
+        cold_runtime.base_image = runtime.base_image
+        for which, rt in (("cold", cold_runtime), ("cached", runtime)):
+            for i in range(reps + 1):  # cached: the first reset fills the cache (not timed)
+                env = rt.new_env(task, image=image, labels={}, env_version="bench")
+                t = time.perf_counter()
+                await env.reset()
+                dt = time.perf_counter() - t
+                r = await backend.exec(env.sandbox.id, "test -x /opt/venv/bin/python && wc -l < /app/data/readings.csv")
+                await env.close()
+                assert r.exit_code == 0, r
+                if i:
+                    out[which].append(dt)
+        assert runtime.counters["setup_runs"] == 1, runtime.counters
+        await cache.clear()
+    finally:
+        await runtime.aclose()
+    return out
+
+
 def cell(values: list[float], n: int = 1) -> str:
     """Format p50 / p95, plus the per-branch p50 / p95 when ``n`` > 1."""
     if not values:
@@ -214,28 +331,47 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=20, help="snapshots per backend (default 20)")
     parser.add_argument("--reps", type=int, default=5, help="restores per fan-out n (default 5)")
+    parser.add_argument("--prefix", type=int, default=6, help="tree: shared turns before the fork (default 6)")
+    parser.add_argument("--suffix", type=int, default=2, help="tree: turns of each branch (default 2)")
+    parser.add_argument("--fanout", type=int, default=4, help="tree: branches (default 4)")
+    parser.add_argument("--step-work", type=float, default=0.2, help="tree: CPU seconds per turn (default 0.2)")
+    parser.add_argument("--tree-reps", type=int, default=3, help="tree and linear runs (default 3)")
+    parser.add_argument("--cache-reps", type=int, default=5, help="cold and cached resets (default 5)")
+    parser.add_argument("--only", choices=["fork", "tree", "cache"], action="append",
+                        help="run only these parts (repeatable; default all)")
     parser.add_argument("--max-load", type=float, default=1.5)
     parser.add_argument("--max-wait-s", type=float, default=600.0)
     args = parser.parse_args()
 
+    parts = set(args.only or ["fork", "tree", "cache"])
     load_start, load_now = wait_for_quiet(args.max_load, args.max_wait_s)
     results: dict[str, dict[str, list[float]]] = {}
+    trees: dict[str, dict[str, list[float]]] = {}
+    caches: dict[str, dict[str, list[float]]] = {}
+    kinds = ["local"] + (["docker"] if docker_available() and shutil.which("docker") else [])
     docker_image_created = False
     with tempfile.TemporaryDirectory(prefix="forkyard-bench-branching-") as tmp:
-        results["local"] = asyncio.run(bench_backend("local", args.runs, args.reps, Path(tmp)))
-        if docker_available() and shutil.which("docker"):
-            ref = base_image_ref()
-            docker_image_created = subprocess.run(
-                ["docker", "image", "inspect", ref], capture_output=True
-            ).returncode != 0
-            try:
-                results["docker"] = asyncio.run(bench_backend("docker", args.runs, args.reps, Path(tmp)))
-                results["docker CLI"] = asyncio.run(bench_docker_cli(ref, args.runs, args.reps))
-            finally:
-                if docker_image_created:  # leave the engine as it was
-                    subprocess.run(["docker", "rmi", ref], capture_output=True)
+        if "fork" in parts:
+            results["local"] = asyncio.run(bench_backend("local", args.runs, args.reps, Path(tmp)))
+            if "docker" in kinds:
+                ref = base_image_ref()
+                docker_image_created = subprocess.run(
+                    ["docker", "image", "inspect", ref], capture_output=True
+                ).returncode != 0
+                try:
+                    results["docker"] = asyncio.run(bench_backend("docker", args.runs, args.reps, Path(tmp)))
+                    results["docker CLI"] = asyncio.run(bench_docker_cli(ref, args.runs, args.reps))
+                finally:
+                    if docker_image_created:  # leave the engine as it was
+                        subprocess.run(["docker", "rmi", ref], capture_output=True)
+        for kind in kinds:
+            if "tree" in parts:
+                trees[kind] = asyncio.run(bench_tree(
+                    kind, Path(tmp), prefix=args.prefix, suffix=args.suffix, fanout=args.fanout,
+                    work=args.step_work, reps=args.tree_reps))
+            if "cache" in parts:
+                caches[kind] = asyncio.run(bench_setup_cache(kind, Path(tmp), args.cache_reps))
     load_end = load1()
-
     print(
         f"# bench/branching.py — {time.strftime('%Y-%m-%d')} — {platform.node()} "
         f"({os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}), "
@@ -243,6 +379,44 @@ def main() -> None:
         f"{load_now:.2f} when measuring began, {load_end:.2f} at the end"
     )
     print()
+    if results:
+        print_fork_tables(results)
+    if trees:
+        print_tree_table(trees, args)
+    if caches:
+        print_cache_table(caches)
+
+
+def print_tree_table(trees: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> None:
+    leaves = args.fanout
+    print(f"Tree vs linear: one tree forking after {args.prefix} turns into {leaves} branches of {args.suffix} "
+          f"turns (+ submit) vs {leaves} independent episodes, {args.step_work:g} s of CPU per turn, "
+          "run concurrently, same scripted actions (median of the runs):")
+    print()
+    print("| backend | env steps tree / linear | wall s tree / linear | steps ratio | wall ratio |")
+    print("|---|---|---|---|---|")
+    for kind, data in trees.items():
+        ts, ls = statistics.median(data["tree_steps"]), statistics.median(data["linear_steps"])
+        tw, lw = statistics.median(data["tree_s"]), statistics.median(data["linear_s"])
+        print(f"| {kind} | {ts:.0f} / {ls:.0f} | {tw:.2f} / {lw:.2f} | {ls / ts:.2f}x fewer | {lw / tw:.2f}x faster |")
+    print()
+
+
+def print_cache_table(caches: dict[str, dict[str, list[float]]]) -> None:
+    print("Setup cache: reset() of sensor-stats (setup.sh builds a virtualenv and a data set), "
+          "cold vs from the cache (p50 / p95 ms):")
+    print()
+    print("| backend | cold reset | cached reset | ratio (cold p50 / cached p50) |")
+    print("|---|---|---|---|")
+    for kind, data in caches.items():
+        ratio = med_ms(data["cold"]) / med_ms(data["cached"])
+        met = "met" if ratio >= TARGET_CACHED_RESET else "not met"
+        print(f"| {kind} | {cell(data['cold'])} | {cell(data['cached'])} | {ratio:.1f}x "
+              f"(target >= {TARGET_CACHED_RESET:.0f}x: {met}) |")
+    print()
+
+
+def print_fork_tables(results: dict[str, dict[str, list[float]]]) -> None:
     print("Snapshot after a 1 MB change; fork = restore(snapshot, n), n branches started concurrently")
     print("(docker CLI: `docker commit`, then n concurrent `docker run -d`). Times in ms.")
     print()

@@ -27,3 +27,7 @@ echo "gateway at $FORKYARD_URL"
 
 .venv/bin/forkyard tasks import examples/tasks/terminal
 .venv/bin/python examples/solve_terminal.py examples/tasks/terminal
+
+# Branching: one scripted rollout forked at turns 1 and 2, its trajectory trees printed
+# and the first one drawn.
+.venv/bin/python examples/branching.py --svg "$data_dir/trajectory-tree.svg"

@@ -17,6 +17,7 @@ from gateway.environments import service as environments_service
 from gateway.environments.router import router as environments_router
 from gateway.episodes.router import router as episodes_router
 from gateway.errors import install_error_handlers
+from gateway.metrics import router as metrics_router
 from gateway.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
 from gateway.rollouts.dispatch import Dispatcher
 from gateway.policies.router import router as policies_router
@@ -41,11 +42,16 @@ def build_runtime(settings: Settings) -> WorkerRuntime:
     """Build the sandbox backend and the worker runtime the settings ask for (not started)."""
     from sandboxes.backends import create_backend
     from workers.runtime import WorkerRuntime
+    from workers.setup_cache import SetupCache
 
     backend = create_backend(
         settings.backend, node=settings.node, root_dir=settings.sandboxes_dir, docker_url=settings.docker_url
     )
-    return WorkerRuntime(backend, image_cache_dir=settings.image_cache_dir)
+    cache = None
+    if settings.setup_cache.max_bytes > 0:
+        assert settings.setup_cache.dir is not None
+        cache = SetupCache(backend, settings.setup_cache.dir, max_bytes=settings.setup_cache.max_bytes)
+    return WorkerRuntime(backend, image_cache_dir=settings.image_cache_dir, setup_cache=cache)
 
 
 def _log_progress(line: str) -> None:
@@ -147,6 +153,7 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
         """Answer ok while the gateway serves requests."""
         return {"status": "ok"}
 
+    app.include_router(metrics_router)  # open like /healthz: scrapers carry no API key
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
     for router in (environments_router, tasks_router, sessions_router, sandboxes_router, rollouts_router,
                    episodes_router, policies_router, snapshots_router):

@@ -33,6 +33,15 @@ class StageLimitsSettings(BaseModel):
     """Verifiers running at once."""
 
 
+class SetupCacheSettings(BaseModel):
+    """The setup cache: a snapshot of each task's sandbox right after its environment/setup.sh ran."""
+
+    max_bytes: int = Field(default=20 * 1024**3, ge=0)
+    """Cap on the bytes the cached snapshots hold (``FORKYARD_SETUP_CACHE__MAX_BYTES``); 0 turns the cache off."""
+    dir: Path | None = None
+    """Where the cache keeps its index (``FORKYARD_SETUP_CACHE__DIR``); default: ``data_dir/setup-cache``."""
+
+
 class Settings(BaseSettings):
     """Everything the gateway and ``forkyard up`` need; built by the caller, never at import."""
 
@@ -82,11 +91,17 @@ class Settings(BaseSettings):
     stages: StageLimitsSettings = Field(default_factory=StageLimitsSettings)
     """Per-stage concurrency of rollout episodes (``FORKYARD_STAGES__SETUP`` / ``__AGENT`` / ``__VERIFY``)."""
 
+    setup_cache: SetupCacheSettings = Field(default_factory=SetupCacheSettings)
+    """Setup cache size and place (``FORKYARD_SETUP_CACHE__MAX_BYTES`` / ``__DIR``)."""
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         # Fix relative paths now: the local backend mounts under data_dir, where cwd no longer counts.
         self.data_dir = self.data_dir.expanduser().absolute()
         self.image_cache_dir = self.image_cache_dir.expanduser().absolute()
+        if self.setup_cache.dir is None:
+            self.setup_cache.dir = self.data_dir / "setup-cache"
+        self.setup_cache.dir = self.setup_cache.dir.expanduser().absolute()
         if self.database_url is None:
             self.database_url = f"sqlite:///{self.data_dir / 'forkyard.db'}"
         if self.bootstrap_api_key is not None:

@@ -143,6 +143,13 @@ class SandboxBackend(Protocol):
     async def remove_image(self, image: str) -> None:
         """Forget ``image`` (idempotent)."""
 
+    async def image_digest(self, image: str) -> str:
+        """Return a digest that changes whenever the content behind ``image`` does.
+
+        Raises:
+            ImageNotFoundError: the image is not known to this backend.
+        """
+
     async def snapshot(self, sandbox_id: str, *, metadata: Mapping[str, str] | None = None) -> Snapshot:
         """Capture the sandbox's filesystem, cwd and exports (not its background processes)."""
 

@@ -215,6 +215,24 @@ def _config_changes(config: ImageConfig) -> list[str]:
     return changes
 
 
+def _imported_image_id(output: object, what: str) -> str | None:
+    """Return the image id ``import_image`` reported in its JSON lines (None if none); raise on its errors."""
+    image_id = None
+    for line in str(output).splitlines():
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(msg, dict):
+            continue
+        if msg.get("error"):
+            raise SandboxError(f"Docker engine failed to import {what}: {msg['error']}")
+        status = msg.get("status")
+        if isinstance(status, str) and status.startswith("sha256:"):
+            image_id = status
+    return image_id
+
+
 def _split_ref(ref: str) -> tuple[str, str]:
     """Split ``name:tag`` (tag defaults to ``latest``)."""
     repo, tag = parse_repository_tag(ref)
@@ -301,6 +319,12 @@ class DockerBackend:
         self._sandboxes: dict[str, _Sandbox] = {}
         self._attach_lock = asyncio.Lock()
         self._closed = False
+        self.max_snapshot_layers = 48
+        """A snapshot image with more layers than this is flattened (export + import) into one.
+
+        Every commit adds a layer and overlay2 refuses images past ~125; a chain of
+        snapshots of restored snapshots (sessions forked again and again) would reach it.
+        """
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -839,13 +863,7 @@ class DockerBackend:
             )
         except docker.errors.NotFound as exc:
             raise SandboxError(f"Docker engine failed to import {root!r}: {exc.explanation}") from exc
-        for line in str(out).splitlines():
-            try:
-                msg = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(msg, dict) and msg.get("error"):
-                raise SandboxError(f"Docker engine failed to import {root!r}: {msg['error']}")
+        _imported_image_id(out, repr(root))
         logger.info("imported %s as docker image %s", root, image)
 
     async def has_image(self, image: str) -> bool:
@@ -855,6 +873,22 @@ class DockerBackend:
         except docker.errors.NotFound:
             return False
         return True
+
+    async def image_digest(self, image: str) -> str:
+        """Return the engine's id of ``image`` (the sha256 of its config, which names its layers)."""
+        try:
+            attrs = await self._call("inspect an image", self._api.inspect_image, image)
+        except docker.errors.NotFound as exc:
+            raise ImageNotFoundError(f"image {image!r} is not known to the Docker engine") from exc
+        return attrs["Id"]
+
+    async def image_layer_bytes(self, image: str) -> int:
+        """Return the bytes the top layer of ``image`` adds to its parent (what a commit of it stored)."""
+        try:
+            history = await self._call("read an image's history", self._api.history, image)
+        except docker.errors.NotFound as exc:
+            raise ImageNotFoundError(f"image {image!r} is not known to the Docker engine") from exc
+        return int(history[0].get("Size") or 0) if history else 0
 
     async def remove_image(self, image: str) -> None:
         """Untag and delete image ``image`` (idempotent); fails if a container still uses it."""
@@ -907,6 +941,7 @@ class DockerBackend:
             except docker.errors.NotFound as exc:
                 raise SandboxNotFoundError(f"no sandbox {sandbox_id!r} on docker node {self.node!r}") from exc
         image_id = out["Id"]
+        image_id = await self._bound_layers(image_id, labels)
         sid = snapshot_id({**base, "digest": image_id})
         try:
             await self._call("tag a snapshot", self._api.tag, image_id, SNAPSHOT_REPOSITORY, sid)
@@ -916,6 +951,42 @@ class DockerBackend:
         snap = self._snapshot_from(sid, image_id, base, time.time())
         logger.info("docker sandbox %s: snapshot %s", sbx.id[:12], sid)
         return snap
+
+    async def _bound_layers(self, image_id: str, labels: dict[str, str]) -> str:
+        """Return ``image_id``, or a flattened copy of it (same files and config) when its chain is too deep."""
+        attrs = await self._call("inspect a snapshot image", self._api.inspect_image, image_id)
+        depth = len((attrs.get("RootFS") or {}).get("Layers") or [])
+        if depth <= self.max_snapshot_layers:
+            return image_id
+        t = time.monotonic()
+        config = attrs.get("Config") or {}
+        made: list[str] = []
+        try:
+            source = await self._call("create a container to flatten", self._api.create_container, image_id,
+                                      entrypoint=["true"], labels={"forkyard.squash": self.node})
+            made.append(source["Id"])
+            chunks = await self._call("export a snapshot", self._api.export, source["Id"], chunk_size=1 << 20)
+            out = await self._call("import a flattened snapshot", self._api.import_image, src=chunks,
+                                   stream_src=True)
+            flat = _imported_image_id(out, "a flattened snapshot")
+            if flat is None:
+                raise SandboxError(f"Docker engine did not report the id of a flattened snapshot: {str(out)[:300]}")
+            holder = await self._call("create a container to label", self._api.create_container, flat,
+                                      entrypoint=["true"], labels={"forkyard.squash": self.node})
+            made.append(holder["Id"])
+            conf = {key: config.get(key) for key in ("Env", "WorkingDir", "User", "Entrypoint", "Cmd")}
+            committed = await self._call("commit a flattened snapshot", self._api.commit, holder["Id"],
+                                         conf={**conf, "Labels": labels})
+        finally:
+            for cid in made:
+                try:
+                    await self._call("remove a container", self._api.remove_container, cid, force=True)
+                except (docker.errors.NotFound, SandboxError):
+                    pass
+        await self._drop_image(image_id)  # the deep one; its untagged parents go with it unless in use
+        logger.info("snapshot image %s had %d layers: flattened into %s in %.1f s", image_id[:19], depth,
+                    committed["Id"][:19], time.monotonic() - t)
+        return committed["Id"]
 
     def _snapshot_from(self, sid: str, image_id: str, base: dict, created_at: float) -> Snapshot:
         return Snapshot.from_json(

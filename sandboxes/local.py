@@ -29,6 +29,7 @@ import dataclasses
 import errno
 import fcntl
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -444,6 +445,12 @@ class LocalBackend:
     async def has_image(self, image: str) -> bool:
         """Tell whether ``image`` has a manifest here."""
         return self._manifest_path(image).is_file()
+
+    async def image_digest(self, image: str) -> str:
+        """Return the sha256 of ``image``'s layer list and config (a rebuild makes new layers, so a new digest)."""
+        manifest = self._load_manifest(image)
+        content = {"layers": manifest.get("layers", []), "config": manifest.get("config", {})}
+        return "sha256:" + hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
     async def remove_image(self, image: str) -> None:
         """Delete the manifest of ``image`` and every layer under root_dir/layers nothing else uses."""

@@ -6,6 +6,8 @@ The base root filesystem is the production one (`forkyard images build base`, wh
 
 from __future__ import annotations
 
+import asyncio
+import json
 import uuid
 from pathlib import Path
 
@@ -64,6 +66,46 @@ def leftover_sandboxes(backend: str, node: str, data_dir) -> list[str]:
     return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
+def leftover_storage(backend_kind: str, node: str, data_dir: Path) -> dict[str, list[str]]:
+    """Empty a stopped gateway's setup cache, then return the snapshots and storage its node still holds.
+
+    Everything else (trajectory-tree snapshots, lazy-fork snapshots, session snapshots
+    nothing holds) must already be gone. Local: layer dirs no image uses, counted on disk;
+    docker: this node's snapshot images, tagged or not.
+    """
+    from sandboxes.backends import create_backend
+    from workers.setup_cache import SetupCache
+
+    async def check() -> dict[str, list[str]]:
+        backend = create_backend(backend_kind, node=node, root_dir=data_dir / "sandboxes")
+        try:
+            cache = SetupCache(backend, data_dir / "setup-cache")
+            await cache.load()
+            await cache.clear()
+            left = {"snapshots": sorted(s.id for s in await backend.list_snapshots())}
+            if backend_kind == "local":
+                root = data_dir / "sandboxes"
+                used = {layer for manifest in (root / "images").rglob("*.json")
+                        for layer in json.loads(manifest.read_text()).get("layers", [])}
+                layers = root / "layers"
+                left["layers"] = sorted(str(p) for p in layers.iterdir()
+                                        if not p.name.startswith(".") and str(p) not in used) if layers.exists() else []
+            else:
+                import docker
+
+                client = docker.from_env()
+                try:
+                    left["images"] = [i.id for i in client.images.list(
+                        all=True, filters={"label": f"forkyard.snapshot.node={node}"})]
+                finally:
+                    client.close()
+            return left
+        finally:
+            await backend.aclose()
+
+    return asyncio.run(check())
+
+
 @pytest.fixture(scope="module", params=["local", "docker"])
 def live_gateway(request, tmp_path_factory):
     node = f"e2e-{request.param}-{uuid.uuid4().hex[:6]}"
@@ -71,3 +113,4 @@ def live_gateway(request, tmp_path_factory):
     with run_gateway(request.param, data_dir, node=node) as gw:
         yield gw
     assert leftover_sandboxes(request.param, node, data_dir) == []
+    assert {k: v for k, v in leftover_storage(request.param, node, data_dir).items() if v} == {}

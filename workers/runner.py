@@ -13,24 +13,30 @@ episode is the concatenation of its steps.
 
 Setup (image build + sandbox start), the agent loop and verification take separate
 :class:`StageLimits` semaphores so a burst of slow setups never idles the policy.
+
+With a :class:`~workers.branching.Tree` the episode is the trunk of a trajectory tree:
+at its branch points it snapshots the sandbox and starts branch episodes that continue
+from there (each with a copy of the token context), see :mod:`workers.branching`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sandboxes.base import LABEL_OWNER
+from sandboxes.base import LABEL_OWNER, SandboxSpec
 from sandboxes.errors import SandboxError
 from workers.errors import ActionError, ImageBuildError, WorkerError
 from workers.policy.base import Generation, PolicyClient, PolicyError, Sampling
 from workers.policy.toolcalls import ToolCallParseError, parse_tool_calls
 
 if TYPE_CHECKING:
+    from workers.branching import Tree
     from workers.policy.chat_template import ChatTokenizer
     from workers.runtime import StepResult, WorkerRuntime
     from workers.tasks import TerminalTask
@@ -132,6 +138,16 @@ class _Episode:
         self.versions: list[int] = []
         self.token_exact = True
 
+    def branch(self) -> _Episode:
+        """Return a copy to continue in a branch: same context and history, no steps of its own."""
+        other = copy.copy(self)
+        other.messages = list(self.messages)
+        other.steps = []
+        other.pending_prompt = list(self.pending_prompt)
+        other.context_ids = list(self.context_ids)
+        other.versions = list(self.versions)
+        return other
+
     def start(self, messages: list[dict[str, Any]]) -> None:
         self.messages = list(messages)
         if self.tokenizer is not None:
@@ -175,6 +191,26 @@ class _Episode:
             )
 
 
+@dataclass
+class _Run:
+    """What every episode of one run (a trunk and its branches) shares."""
+
+    task: TerminalTask
+    runtime: WorkerRuntime
+    policy: PolicyClient
+    settings: AgentSettings
+    sampling: Sampling
+    stages: StageLimits
+    version_of: Callable[[], Awaitable[int]] | None
+    gate: Callable[[], Awaitable[None]] | None
+    stale_check: Callable[[list[int]], Awaitable[str | None]] | None
+    labels: dict[str, str]
+    tree: Tree | None
+
+    def labels_for(self, episode_id: str) -> dict[str, str]:
+        return {LABEL_OWNER: episode_id, "forkyard.task": self.task.name, **self.labels}
+
+
 async def run_episode(
     *,
     episode_id: str,
@@ -190,6 +226,9 @@ async def run_episode(
     on_step: Callable[[StepRecord], Awaitable[None]] | None = None,
     stale_check: Callable[[list[int]], Awaitable[str | None]] | None = None,
     labels: dict[str, str] | None = None,
+    env_version: str = "",
+    tree: Tree | None = None,
+    env_factory: Callable[[], Awaitable[Any]] | None = None,
 ) -> EpisodeResult:
     """Run one episode of ``task`` with ``policy`` to the end; never raises for episode failures.
 
@@ -201,14 +240,63 @@ async def run_episode(
         stale_check: given the versions of the turns so far, before each further policy
             call; a reason string stops the episode as ``stale`` (the rollout's
             max_staleness enforced at dispatch, not only at delivery).
+        env_version: the environment's name and version (part of the setup cache key).
+        tree: run the episode as the trunk of this trajectory tree; its branches report
+            through the tree's callbacks and the caller awaits ``tree.join()``.
+        env_factory: makes the (not yet reset) environment instead of the runtime, e.g. a
+            member of a :class:`~workers.shared_env.SharedEnvGroup`.
     """
-    from workers.envs.terminal import TOOLS, TerminalEnv
+    from workers.envs.terminal import TOOLS
 
-    stages = stages or StageLimits()
-    started = time.monotonic()
-    timings: dict[str, float] = {}
+    run = _Run(task=task, runtime=runtime, policy=policy, settings=settings, sampling=sampling,
+               stages=stages or StageLimits(), version_of=version_of, gate=gate, stale_check=stale_check,
+               labels=dict(labels or {}), tree=tree)
     state = _Episode(tokenizer, list(TOOLS))
-    env: TerminalEnv | None = None
+
+    async def open_env(timings: dict[str, float]) -> Any:
+        t = time.monotonic()
+        async with run.stages.setup:
+            if env_factory is not None:
+                env = await env_factory()
+            else:
+                image = await runtime.task_image(task)
+                env = runtime.new_env(task, image=image, labels=run.labels_for(episode_id), env_version=env_version)
+            try:
+                instruction = await env.reset()
+            except BaseException:
+                await _close_quietly(env, episode_id)
+                raise
+        timings["setup_s"] = time.monotonic() - t
+        state.start([{"role": "system", "content": settings.system_prompt or DEFAULT_SYSTEM_PROMPT},
+                     {"role": "user", "content": instruction}])
+        return env
+
+    return await _drive(run, episode_id, state, open_env, start_turn=0, forked_at=None, on_step=on_step,
+                        started=time.monotonic())
+
+
+async def _close_quietly(env: Any, episode_id: str) -> None:
+    try:
+        await env.close()
+    except Exception:
+        logger.exception("episode %s: closing its sandbox failed", episode_id)
+
+
+async def _drive(
+    run: _Run,
+    episode_id: str,
+    state: _Episode,
+    open_env: Callable[[dict[str, float]], Awaitable[Any]],
+    *,
+    start_turn: int,
+    forked_at: int | None,
+    on_step: Callable[[StepRecord], Awaitable[None]] | None,
+    started: float,
+) -> EpisodeResult:
+    """Open the env, run the agent loop from ``start_turn``, verify; turn every failure into a result."""
+    timings: dict[str, float] = {}
+    env: Any = None
+    extra: dict[str, Any] = {} if forked_at is None else {"forked_at": forked_at}
 
     def result(status: str, termination: str, *, reward: float | None = None, error: str | None = None,
                info: dict[str, Any] | None = None) -> EpisodeResult:
@@ -222,31 +310,16 @@ async def run_episode(
             messages=state.messages,
             timings=dict(timings),
             weight_versions=list(state.versions),
-            info={"token_exact": state.token_exact, **(info or {})},
+            info={"token_exact": state.token_exact, **extra, **(info or {})},
         )
 
     try:
+        env = await open_env(timings)
         t = time.monotonic()
-        async with stages.setup:
-            image = await runtime.task_image(task)
-            env = TerminalEnv(
-                task, runtime.backend, image=image,
-                labels={LABEL_OWNER: episode_id, "forkyard.task": task.name, **(labels or {})},
-            )
-            instruction = await env.reset()
-        timings["setup_s"] = time.monotonic() - t
-        messages = [{"role": "system", "content": settings.system_prompt or DEFAULT_SYSTEM_PROMPT},
-                    {"role": "user", "content": instruction}]
-        state.start(messages)
-
-        t = time.monotonic()
-        deadline = started + settings.episode_timeout_s
-        async with stages.agent:
-            outcome = await _agent_loop(
-                episode_id=episode_id, env=env, policy=policy, settings=settings, sampling=sampling,
-                state=state, deadline=deadline, stages=stages, version_of=version_of, gate=gate, on_step=on_step,
-                stale_check=stale_check,
-            )
+        deadline = started + run.settings.episode_timeout_s
+        async with run.stages.agent:
+            outcome = await _agent_loop(run, episode_id=episode_id, env=env, state=state, deadline=deadline,
+                                        on_step=on_step, start_turn=start_turn, forked_at=forked_at)
         timings["agent_s"] = time.monotonic() - t - outcome.verify_s
         timings["verify_s"] = outcome.verify_s
         final = outcome.final
@@ -265,14 +338,74 @@ async def run_episode(
         logger.exception("episode %s failed unexpectedly", episode_id)
         return result("failed", "error", error=f"internal error: {type(exc).__name__}: {exc}")
     finally:
-        release = getattr(policy, "release", None)
+        release = getattr(run.policy, "release", None)
         if release is not None:
             release(episode_id)
         if env is not None:
-            try:
-                await env.close()
-            except Exception:
-                logger.exception("episode %s: closing its sandbox failed", episode_id)
+            await _close_quietly(env, episode_id)
+
+
+async def _fork(run: _Run, parent_id: str, env: Any, state: _Episode, turn: int, *, why: dict[str, Any]) -> None:
+    """Start the branches of one branch point: snapshot ``env`` and continue ``state`` in copies of it.
+
+    A fork that fails (the sandbox could not be snapshotted or restored) costs the tree
+    those branches, never the parent episode.
+    """
+    from workers.envs.terminal import TerminalEnv
+
+    tree = run.tree
+    assert tree is not None
+    n = tree.grant()
+    if n == 0:
+        return
+    t = time.monotonic()
+    ids: list[str] = []
+    try:
+        snap, env_state = await env.snapshot(metadata={"forkyard.tree": tree.root_episode_id,
+                                                       "forkyard.turn": str(turn)})
+        tree.snapshots.append(snap.id)
+        ids = await tree.spawn(parent_id, turn, n)
+        backend = run.runtime.backend
+
+        async def restore(branch_id: str) -> Any:
+            spec = SandboxSpec(image=snap.image, resources=snap.resources, network=snap.network,
+                               labels=run.labels_for(branch_id))
+            (info,) = await backend.restore(snap, 1, spec=spec)
+            return TerminalEnv.from_snapshot(run.task, backend, info, env_state, labels=run.labels_for(branch_id),
+                                             counters=run.runtime.counters)
+
+        envs = await asyncio.gather(*(restore(i) for i in ids), return_exceptions=True)
+    except Exception as exc:
+        logger.warning("episode %s: fork at turn %d failed: %s", parent_id, turn, exc)
+        tree.refund(n - len(ids))
+        for branch_id in ids:
+            await tree.on_finish(branch_id, _failed_branch(state, f"the fork at turn {turn} failed: {exc}"))
+        return
+    fork_s = time.monotonic() - t
+    tree.branch_points.append({"episode_id": parent_id, "turn": turn, "branches": ids, "fork_s": fork_s, **why})
+    logger.info("episode %s: forked %d branch(es) at turn %d in %.1f ms", parent_id, n, turn, fork_s * 1000)
+    for branch_id, branch_env in zip(ids, envs, strict=True):
+        branch_state = state.branch()  # now: the parent changes ``state`` as soon as this returns
+        if isinstance(branch_env, BaseException):
+            await tree.on_finish(branch_id, _failed_branch(state, f"restoring the fork at turn {turn} failed: "
+                                                                   f"{branch_env}"))
+            continue
+
+        async def opened(timings: dict[str, float], env: Any = branch_env) -> Any:
+            timings["setup_s"] = fork_s
+            return env
+
+        async def branch(branch_id: str = branch_id, opener: Any = opened, branch_state: _Episode = branch_state) -> None:
+            result = await _drive(run, branch_id, branch_state, opener, start_turn=turn, forked_at=turn,
+                                  on_step=lambda step: tree.on_step(branch_id, step), started=time.monotonic())
+            await tree.on_finish(branch_id, result)
+
+        tree.start(branch(), name=f"branch {branch_id}")
+
+
+def _failed_branch(state: _Episode, error: str) -> EpisodeResult:
+    return EpisodeResult(status="failed", termination="error", reward=None, error=error, steps=[],
+                         messages=list(state.messages), timings={}, weight_versions=list(state.versions))
 
 
 class _Stale(Exception):
@@ -287,20 +420,17 @@ class _Outcome:
 
 
 async def _agent_loop(
+    run: _Run,
     *,
     episode_id: str,
     env: Any,
-    policy: PolicyClient,
-    settings: AgentSettings,
-    sampling: Sampling,
     state: _Episode,
     deadline: float,
-    stages: StageLimits,
-    version_of: Callable[[], Awaitable[int]] | None,
-    gate: Callable[[], Awaitable[None]] | None,
     on_step: Callable[[StepRecord], Awaitable[None]] | None,
-    stale_check: Callable[[list[int]], Awaitable[str | None]] | None,
+    start_turn: int,
+    forked_at: int | None,
 ) -> _Outcome:
+    settings, stages, tree = run.settings, run.stages, run.tree
     verify_s = 0.0
 
     async def finish(termination: str, reason: str) -> _Outcome:
@@ -311,31 +441,37 @@ async def _agent_loop(
         verify_s += time.monotonic() - t
         return _Outcome(final, termination, verify_s)
 
-    for turn in range(settings.max_turns):
+    for turn in range(start_turn, settings.max_turns):
         if time.monotonic() >= deadline:
             return await finish("timeout", f"episode timeout of {settings.episode_timeout_s:g}s reached")
-        if gate is not None:
-            await gate()
-        if stale_check is not None and state.versions:
-            reason = await stale_check(state.versions)
+        if tree is not None and tree.wants_fork(turn, forked_at=forked_at):
+            await _fork(run, episode_id, env, state, turn, why={"reason": "at_turns"})
+        if run.gate is not None:
+            await run.gate()
+        if run.stale_check is not None and state.versions:
+            reason = await run.stale_check(state.versions)
             if reason is not None:
                 raise _Stale(reason)
         t = time.monotonic()
         budget = max(0.1, min(settings.step_timeout_s, deadline - t))
         try:
             gen = await asyncio.wait_for(
-                policy.generate(
+                run.policy.generate(
                     episode_id=episode_id, prompt_ids=state.prompt_for_call(), messages=state.messages,
-                    tools=state.tools, sampling=sampling,
+                    tools=state.tools, sampling=run.sampling,
                 ),
                 budget,
             )
         except asyncio.TimeoutError:
             raise PolicyError(f"no answer from the policy within {budget:.3g}s (turn {turn})") from None
         policy_s = time.monotonic() - t
+        if tree is not None:
+            uncertainty = tree.wants_resample(turn, gen.logprobs, forked_at=forked_at)
+            if uncertainty is not None:  # re-sample this turn from before its action runs
+                await _fork(run, episode_id, env, state, turn, why={"reason": "adaptive", "uncertainty": uncertainty})
         version = gen.weight_version
-        if version is None and version_of is not None:
-            version = await version_of()
+        if version is None and run.version_of is not None:
+            version = await run.version_of()
         if version is not None:
             state.versions.append(version)
         prompt_ids, completion_ids, logprobs = state.record_generation(gen)

@@ -7,6 +7,7 @@ mode, through Celery tasks in distributed mode).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,9 +20,14 @@ from workers.errors import ActionError, ImageBuildError, SessionNotFoundError
 if TYPE_CHECKING:
     from sandboxes.snapshots import Snapshot
     from workers.envs.terminal import TerminalEnv
+    from workers.setup_cache import SetupCache
     from workers.tasks import TerminalTask
 
 logger = logging.getLogger(__name__)
+
+#: Metadata keys of the snapshots a trajectory tree (``forkyard.tree``) or a lazy-fork
+#: group (``forkyard.shared``) takes; nothing outlives them.
+TRANSIENT_SNAPSHOT_KEYS = frozenset({"forkyard.tree", "forkyard.shared"})
 
 
 @dataclass(frozen=True)
@@ -80,11 +86,16 @@ class WorkerRuntime:
         image_cache_dir: Path,
         aliases: Mapping[str, str] | None = None,
         base_image: str | None = None,
+        setup_cache: SetupCache | None = None,
     ) -> None:
         self.backend = backend
         self.image_cache_dir = Path(image_cache_dir)
         self.aliases = aliases
         self.base_image = base_image
+        self.setup_cache = setup_cache
+        """Post-setup snapshots of tasks with a setup.sh, shared by every env this runtime makes."""
+        self.counters: collections.Counter[str] = collections.Counter()
+        """What the envs did: ``env_steps``, ``resets``, ``setup_runs``, ``setup_cache_hits``/``_misses``."""
         self._envs: dict[str, TerminalEnv] = {}
         self._build_locks: dict[str, asyncio.Lock] = {}
 
@@ -94,11 +105,13 @@ class WorkerRuntime:
         return self.backend.node
 
     async def start(self, *, progress: Callable[[str], None] | None = None) -> None:
-        """Make sure the base image exists on the backend (built once, then reused)."""
+        """Make sure the base image exists on the backend (built once, then reused); load the setup cache."""
         from sandboxes.images import ensure_base_image
 
         if self.base_image is None:
             self.base_image = await ensure_base_image(self.backend, self.image_cache_dir, progress=progress)
+        if self.setup_cache is not None:
+            await self.setup_cache.load()
 
     async def task_image(self, task: TerminalTask, *, progress: Callable[[str], None] | None = None) -> str:
         """Return the image a task's sandboxes start from, building it on first use."""
@@ -141,20 +154,40 @@ class WorkerRuntime:
         table = dict(self.aliases) if self.aliases is not None else dict(DEFAULT_ALIASES)
         return {name: (self.base_image if target == "base" else target) for name, target in table.items()}
 
-    async def open_session(
-        self, session_id: str, task: TerminalTask, *, labels: Mapping[str, str] | None = None
-    ) -> SessionOpened:
-        """Start a sandbox for ``task`` and return the first observation and the tools."""
-        if session_id in self._envs:
-            raise ActionError(f"session {session_id} is already open")
-        from workers.envs.terminal import TOOLS, TerminalEnv
+    def new_env(
+        self, task: TerminalTask, *, image: str, labels: Mapping[str, str], env_version: str = ""
+    ) -> TerminalEnv:
+        """Return a (not yet reset) env for ``task`` on this runtime's backend, setup cache and counters."""
+        from workers.envs.terminal import TerminalEnv
 
-        image = await self.task_image(task)
-        env = TerminalEnv(
+        return TerminalEnv(
             task,
             self.backend,
             image=image,
+            labels=labels,
+            setup_cache=self.setup_cache,
+            env_version=env_version,
+            counters=self.counters,
+        )
+
+    async def open_session(
+        self, session_id: str, task: TerminalTask, *, labels: Mapping[str, str] | None = None,
+        env_version: str = "",
+    ) -> SessionOpened:
+        """Start a sandbox for ``task`` and return the first observation and the tools.
+
+        ``env_version`` (the environment's name@version) keys the setup cache.
+        """
+        if session_id in self._envs:
+            raise ActionError(f"session {session_id} is already open")
+        from workers.envs.terminal import TOOLS
+
+        image = await self.task_image(task)
+        env = self.new_env(
+            task,
+            image=image,
             labels={LABEL_OWNER: session_id, "forkyard.task": task.name, **(labels or {})},
+            env_version=env_version,
         )
         self._envs[session_id] = env
         try:
@@ -239,7 +272,7 @@ class WorkerRuntime:
         opened = []
         for session_id, info in zip(new_session_ids, made, strict=True):
             self._envs[session_id] = TerminalEnv.from_snapshot(
-                task, self.backend, info, snapshot.env, labels=labels_of(session_id)
+                task, self.backend, info, snapshot.env, labels=labels_of(session_id), counters=self.counters
             )
             opened.append(SessionOpened(session_id, info, task.instruction, list(TOOLS)))
         logger.info("snapshot %s forked into %d session(s)", src.id, len(opened))
@@ -249,6 +282,21 @@ class WorkerRuntime:
         """Free a backend snapshot (idempotent)."""
         await self.backend.delete_snapshot(snapshot_id)
         logger.info("snapshot %s deleted", snapshot_id)
+
+    async def sweep_transient_snapshots(self) -> list[str]:
+        """Delete the snapshots trajectory trees and lazy-fork groups took (at start, after a crash).
+
+        They live only as long as the tree or group that took it, and a new runtime runs
+        none: whatever is left was orphaned by a crash.
+        """
+        swept = []
+        for snap in await self.backend.list_snapshots():
+            if TRANSIENT_SNAPSHOT_KEYS & set(snap.metadata):
+                await self.backend.delete_snapshot(snap.id)
+                swept.append(snap.id)
+        if swept:
+            logger.warning("deleted %d snapshot(s) of trees or groups a crash interrupted", len(swept))
+        return swept
 
     async def list_sandboxes(self) -> list[SandboxInfo]:
         """Return every sandbox of this node, live or orphaned."""

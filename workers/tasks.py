@@ -6,8 +6,18 @@ A task directory looks like::
         instruction.md          what the agent is asked to do (required, non-empty)
         task.toml               [metadata], [agent], [verifier], [environment] (required)
         environment/Dockerfile  the scene (required unless [environment] docker_image)
+        environment/setup.sh    run at every reset, after the sandbox starts (optional)
         tests/test.sh           the verifier, copied in only at verification (required)
         solution/solve.sh       the oracle (optional)
+
+``environment/setup.sh`` does per-reset work the image cannot hold (install
+dependencies, generate data, start from a known state): it runs with bash from the
+task's working directory with the image's environment, bounded by ``[environment]
+setup_timeout_sec`` (default 600), and a failure fails the reset. A worker with a
+setup cache runs it once per (environment version, task, image) and restores later
+resets from a snapshot taken right after it. ``[environment] deterministic_tools``
+(default false) declares that the same actions from the same state always give the
+same observations, which lets samples of one group share a sandbox until they diverge.
 
 Unknown keys of ``task.toml`` are ignored (Harbor grows new ones); known keys must
 have the right type. Every problem is a :class:`~workers.errors.TaskFormatError`
@@ -48,12 +58,14 @@ MAX_ARCHIVE_MEMBERS = 65536
 
 DEFAULT_AGENT_TIMEOUT_S = 600.0
 DEFAULT_VERIFIER_TIMEOUT_S = 120.0
+DEFAULT_SETUP_TIMEOUT_S = 600.0
 DEFAULT_CPUS = 1.0
 DEFAULT_MEMORY_MB = 1024
 
 INSTRUCTION_FILE = "instruction.md"
 CONFIG_FILE = "task.toml"
 DOCKERFILE = "environment/Dockerfile"
+SETUP_SCRIPT = "environment/setup.sh"
 TEST_SCRIPT = "tests/test.sh"
 SOLUTION_SCRIPT = "solution/solve.sh"
 
@@ -80,6 +92,10 @@ class TerminalTask:
     memory_mb: int
     docker_image: str | None
     network: bool
+    setup_timeout_s: float
+    """Seconds ``environment/setup.sh`` may run at a reset."""
+    deterministic_tools: bool
+    """The tools give the same observation for the same action from the same state."""
     files: Mapping[str, bytes]
     """Every file of the task dir by relative posix path, sorted."""
     content_hash: str
@@ -93,6 +109,11 @@ class TerminalTask:
         """Return ``environment/Dockerfile`` as text, or None when the task has none."""
         data = self.files.get(DOCKERFILE)
         return None if data is None else data.decode("utf-8")
+
+    @property
+    def setup_script(self) -> bytes | None:
+        """Return ``environment/setup.sh``, or None when the task has none."""
+        return self.files.get(SETUP_SCRIPT)
 
     @property
     def environment_context(self) -> dict[str, bytes]:
@@ -211,6 +232,7 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
     verifier_timeout = _positive_number(verifier, "verifier", "timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S)
     cpus = _positive_number(environment, "environment", "cpus", DEFAULT_CPUS)
     memory_mb = _memory_mb(environment)
+    setup_timeout = _positive_number(environment, "environment", "setup_timeout_sec", DEFAULT_SETUP_TIMEOUT_S)
     docker_image = environment.get("docker_image")
     if docker_image is not None and (not isinstance(docker_image, str) or not docker_image.strip()):
         raise TaskFormatError(
@@ -225,6 +247,13 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
             file=CONFIG_FILE,
             field="environment.network",
         )
+    deterministic_tools = environment.get("deterministic_tools", False)
+    if not isinstance(deterministic_tools, bool):
+        raise TaskFormatError(
+            f"{CONFIG_FILE}: [environment] deterministic_tools must be true or false, got {deterministic_tools!r}",
+            file=CONFIG_FILE,
+            field="environment.deterministic_tools",
+        )
 
     if TEST_SCRIPT not in clean:
         raise TaskFormatError(f"{TEST_SCRIPT}: the verifier script is missing", file=TEST_SCRIPT)
@@ -236,7 +265,7 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
         )
     if DOCKERFILE in clean:
         _text(clean, DOCKERFILE)
-    for script in (TEST_SCRIPT, SOLUTION_SCRIPT):
+    for script in (TEST_SCRIPT, SOLUTION_SCRIPT, SETUP_SCRIPT):
         if script in clean:
             _text(clean, script)
 
@@ -251,6 +280,8 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
         memory_mb=memory_mb,
         docker_image=docker_image.strip() if docker_image is not None else None,
         network=network,
+        setup_timeout_s=setup_timeout,
+        deterministic_tools=deterministic_tools,
         files=MappingProxyType(ordered),
         content_hash=content_hash(name, ordered),
     )

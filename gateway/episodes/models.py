@@ -47,6 +47,13 @@ class Episode(Base):
     weight_versions: Mapped[list[Any]] = mapped_column(JSON, default=list)
     info: Mapped[dict[str, Any]] = mapped_column(default=dict)
     num_turns: Mapped[int] = mapped_column(default=0)
+    """Steps this episode ran itself (a branch's inherited prefix is not counted)."""
+    parent_episode_id: Mapped[str | None] = mapped_column(String(40), default=None, index=True)
+    """The episode this branch was forked from (None for a tree's trunk and for plain episodes)."""
+    branch_turn: Mapped[int | None] = mapped_column(default=None)
+    """The turn this branch was forked at: the parent's steps before it are this episode's prefix."""
+    root_episode_id: Mapped[str | None] = mapped_column(String(40), default=None, index=True)
+    """The trunk of this episode's trajectory tree (itself for a trunk; None outside branching rollouts)."""
     node: Mapped[str | None] = mapped_column(String(255), default=None)
     """Gateway node running the episode (set when it starts)."""
     seq: Mapped[int | None] = mapped_column(default=None)

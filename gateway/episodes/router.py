@@ -6,7 +6,7 @@ from fastapi import APIRouter, Query
 
 from gateway.dependencies import DbSession
 from gateway.episodes import service
-from gateway.episodes.schemas import EpisodeDetail, EpisodePage, EpisodeRead, EpisodeTraining, StepRead
+from gateway.episodes.schemas import EpisodeDetail, EpisodePage, EpisodeRead, EpisodeTraining, EpisodeTree, StepRead
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.rollouts.models import EpisodeStatus
 
@@ -33,16 +33,20 @@ async def list_episodes(
 
 @router.get("/{episode_id}", response_model=EpisodeDetail)
 async def get_episode(episode_id: str, db_session: DbSession, tokens: bool = False):
-    """Return an episode with its messages and steps (with each step's token arrays if ``tokens``)."""
+    """Return an episode with its messages and steps (with each step's token arrays if ``tokens``).
+
+    A branch of a trajectory tree lists its whole root-to-leaf path; ``episode_id`` on each
+    step names the episode that ran it.
+    """
     row = await service.get_episode(db_session=db_session, episode_id=episode_id)
-    steps = await service.get_steps(db_session=db_session, episode_id=episode_id)
+    steps = await service.get_path_steps(db_session=db_session, episode=row)
     return EpisodeDetail(
         **EpisodeRead.model_validate(row).model_dump(),
         messages=list(row.messages or []), timings=dict(row.timings or {}),
         weight_versions=list(row.weight_versions or []), info=dict(row.info or {}),
         dead_letter_reason=row.dead_letter_reason,
         steps=[
-            StepRead(index=s.index, parent_index=s.parent_index, text=s.text, action=s.action,
+            StepRead(episode_id=s.episode_id, index=s.index, parent_index=s.parent_index, text=s.text, action=s.action,
                      parse_error=s.parse_error, observation=s.observation, reward=s.reward,
                      finish_reason=s.finish_reason, weight_version=s.weight_version, timings=dict(s.timings or {}),
                      server=s.server, num_prompt_tokens=len(s.prompt_ids or []),
@@ -58,3 +62,9 @@ async def get_episode(episode_id: str, db_session: DbSession, tokens: bool = Fal
 async def get_training(episode_id: str, db_session: DbSession):
     """Return the token-exact training view: input_ids, loss_mask, logprobs, reward, group_id."""
     return await service.get_training(db_session=db_session, episode_id=episode_id)
+
+
+@router.get("/{episode_id}/tree", response_model=EpisodeTree)
+async def get_tree(episode_id: str, db_session: DbSession):
+    """Return the trajectory tree the episode belongs to: nodes (steps), edges, leaves with rewards."""
+    return await service.get_tree(db_session=db_session, episode_id=episode_id)

@@ -27,8 +27,15 @@ class EpisodeRead(BaseModel):
     reward: float | None
     error: str | None
     num_turns: int
+    """Steps the episode ran itself (a branch's inherited prefix is not counted)."""
     seq: int | None
     """Position in the rollout's delivery stream, if the episode entered it."""
+    parent_episode_id: str | None = None
+    """In a trajectory tree: the episode this branch was forked from."""
+    branch_turn: int | None = None
+    """In a trajectory tree: the turn this branch was forked at."""
+    root_episode_id: str | None = None
+    """In a trajectory tree: its trunk (GET /v1/episodes/{id}/tree shows the whole tree)."""
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -46,6 +53,8 @@ class StepRead(BaseModel):
 
     model_config = ConfigDict(from_attributes=True)
 
+    episode_id: str
+    """The episode that ran the step (an ancestor for a branch's inherited prefix)."""
     index: int
     parent_index: int | None
     text: str
@@ -78,6 +87,17 @@ class EpisodeDetail(EpisodeRead):
     dead_letter_reason: str | None
 
 
+class TrainingSegment(BaseModel):
+    """A run of steps on a leaf's path that one episode ran and the same leaves share."""
+
+    episode_id: str
+    first_turn: int
+    last_turn: int
+    start: int
+    end: int
+    shared_by: int
+
+
 class EpisodeTraining(BaseModel):
     """The token-exact training view of an episode.
 
@@ -94,3 +114,61 @@ class EpisodeTraining(BaseModel):
     weight_versions: list[int]
     termination: Termination | None
     status: EpisodeStatus
+    parent_episode_id: str | None = None
+    branch_turn: int | None = None
+    shared_prefix_len: int = 0
+    """Leading tokens shared with at least one other leaf of the tree (0 outside trees)."""
+    segments: list[TrainingSegment] = []
+    """Trees only: ``input_ids[start:end]`` ran on ``episode_id`` (turns first..last), shared by ``shared_by`` leaves."""
+
+
+class TreeNode(BaseModel):
+    """One step of a trajectory tree ("root" is the state right after reset)."""
+
+    id: str
+    episode_id: str | None = None
+    turn: int | None = None
+    tool: str | None = None
+    summary: str = ""
+    observation: str = ""
+    reward: float | None = None
+    parse_error: bool = False
+
+
+class TreeEdge(BaseModel):
+    """A parent step and the step that followed it."""
+
+    parent: str
+    child: str
+
+
+class TreeLeaf(BaseModel):
+    """One episode of the tree and the node its path ends at."""
+
+    episode_id: str
+    node: str
+    reward: float | None
+    status: EpisodeStatus
+    termination: Termination | None
+    parent_episode_id: str | None
+    branch_turn: int | None
+
+
+class TreeBranchPoint(BaseModel):
+    """A node where the tree forks."""
+
+    node: str
+    children: int
+
+
+class EpisodeTree(BaseModel):
+    """A whole trajectory tree: step nodes, edges, leaves (episodes, with rewards) and branch points."""
+
+    root_episode_id: str
+    rollout_id: str
+    task_id: str
+    group_id: str
+    nodes: list[TreeNode]
+    edges: list[TreeEdge]
+    leaves: list[TreeLeaf]
+    branch_points: list[TreeBranchPoint]

@@ -114,17 +114,27 @@ async def list_episodes(
     return page_of(rows, limit=limit)
 
 
-def training_view(episode: Episode, steps: Iterable[EpisodeStep]) -> dict[str, Any]:
-    """Return the token-exact training view of an episode from its steps.
+def training_view(episode: Episode, steps: Iterable[EpisodeStep], *,
+                  tree: _TreeIndex | None = None) -> dict[str, Any]:
+    """Return the token-exact training view of an episode from the steps of its root-to-leaf path.
 
     ``input_ids`` concatenates, step by step in index order, the tokens appended before the
     generation (``prompt_ids``, loss 0) and the sampled tokens (``completion_ids``, loss 1);
     ``logprobs`` holds one value per sampled token (None where the server returned none).
+
+    In a trajectory tree (``tree``) the path includes the prefix steps the episode inherits
+    from its ancestors. ``segments`` cut ``input_ids`` into runs of steps, each naming the
+    episode that ran them and how many leaves share them; ``shared_prefix_len`` counts the
+    leading tokens this leaf shares with at least one other leaf (the shared steps plus the
+    prompt of the turn where it diverged), so a trainer can count them once.
     """
     input_ids: list[int] = []
     loss_mask: list[int] = []
     logprobs: list[float | None] = []
+    segments: list[dict[str, Any]] = []
+    shared_prefix_len = 0
     for step in sorted(steps, key=lambda s: s.index):
+        start = len(input_ids)
         prompt = list(step.prompt_ids or [])
         completion = list(step.completion_ids or [])
         input_ids.extend(prompt)
@@ -134,6 +144,19 @@ def training_view(episode: Episode, steps: Iterable[EpisodeStep]) -> dict[str, A
         step_logprobs = list(step.logprobs) if step.logprobs is not None else []
         step_logprobs = step_logprobs[: len(completion)]
         logprobs.extend(step_logprobs + [None] * (len(completion) - len(step_logprobs)))
+        if tree is None:
+            continue
+        shared_by = tree.leaves_sharing(step.episode_id, step.index)
+        if shared_by > 1:
+            shared_prefix_len = len(input_ids)
+        elif shared_prefix_len == start and tree.size > 1:
+            shared_prefix_len = start + len(prompt)  # the branches diverged at this turn's sampled tokens
+        last = segments[-1] if segments else None
+        if last is not None and last["episode_id"] == step.episode_id and last["shared_by"] == shared_by:
+            last.update(last_turn=step.index, end=len(input_ids))
+        else:
+            segments.append({"episode_id": step.episode_id, "first_turn": step.index, "last_turn": step.index,
+                             "start": start, "end": len(input_ids), "shared_by": shared_by})
     return {
         "episode_id": episode.id,
         "input_ids": input_ids,
@@ -144,13 +167,184 @@ def training_view(episode: Episode, steps: Iterable[EpisodeStep]) -> dict[str, A
         "weight_versions": list(episode.weight_versions or []),
         "termination": episode.termination.value if episode.termination else None,
         "status": episode.status.value,
+        "parent_episode_id": episode.parent_episode_id,
+        "branch_turn": episode.branch_turn,
+        "shared_prefix_len": shared_prefix_len,
+        "segments": segments,
     }
+
+
+class _TreeIndex:
+    """The shape of one trajectory tree: each episode's parent, branch turn and steps."""
+
+    def __init__(self, episodes: Sequence[Episode], steps: dict[str, list[EpisodeStep]]) -> None:
+        self.episodes = {e.id: e for e in episodes}
+        self.steps = steps
+        self.children: dict[str, list[Episode]] = {}
+        for episode in episodes:
+            if episode.parent_episode_id is not None:
+                self.children.setdefault(episode.parent_episode_id, []).append(episode)
+        self._sizes: dict[str, int] = {}
+
+    @property
+    def size(self) -> int:
+        """How many episodes (leaves) the tree has."""
+        return len(self.episodes)
+
+    def subtree_size(self, episode_id: str) -> int:
+        if episode_id not in self._sizes:
+            self._sizes[episode_id] = 1 + sum(self.subtree_size(c.id) for c in self.children.get(episode_id, []))
+        return self._sizes[episode_id]
+
+    def leaves_sharing(self, episode_id: str, index: int) -> int:
+        """Return how many leaves' paths contain step ``index`` of ``episode_id``."""
+        return 1 + sum(self.subtree_size(c.id) for c in self.children.get(episode_id, [])
+                       if (c.branch_turn or 0) > index)
+
+    def path(self, episode_id: str) -> list[EpisodeStep]:
+        """Return the steps of an episode's root-to-leaf path in index order."""
+        episode = self.episodes[episode_id]
+        own = self.steps.get(episode_id, [])
+        if episode.parent_episode_id is None or episode.parent_episode_id not in self.episodes:
+            return list(own)
+        turn = episode.branch_turn or 0
+        return [s for s in self.path(episode.parent_episode_id) if s.index < turn] + list(own)
+
+
+async def list_tree_episodes(
+    *, db_session: AsyncSession, root_episode_id: str, status: EpisodeStatus | None = None
+) -> list[Episode]:
+    """Return the episodes of one trajectory tree (optionally of one status), oldest first."""
+    stmt = select(Episode).where(Episode.root_episode_id == root_episode_id)
+    if status is not None:
+        stmt = stmt.where(Episode.status == status)
+    return list((await db_session.scalars(stmt.order_by(Episode.created_at, Episode.id))).all())
+
+
+async def _tree_index(db_session: AsyncSession, root_episode_id: str) -> _TreeIndex:
+    episodes = await list_tree_episodes(db_session=db_session, root_episode_id=root_episode_id)
+    steps = await get_steps_of(db_session=db_session, episode_ids=[e.id for e in episodes])
+    return _TreeIndex(episodes, steps)
+
+
+async def training_views(*, db_session: AsyncSession, episodes: Sequence[Episode]) -> dict[str, dict[str, Any]]:
+    """Return the training view of each episode (root-to-leaf paths for the leaves of trees)."""
+    plain = [e for e in episodes if e.root_episode_id is None]
+    steps = await get_steps_of(db_session=db_session, episode_ids=[e.id for e in plain])
+    views = {e.id: training_view(e, steps[e.id]) for e in plain}
+    trees: dict[str, _TreeIndex] = {}
+    for episode in episodes:
+        if episode.root_episode_id is None:
+            continue
+        if episode.root_episode_id not in trees:
+            trees[episode.root_episode_id] = await _tree_index(db_session, episode.root_episode_id)
+        tree = trees[episode.root_episode_id]
+        views[episode.id] = training_view(episode, tree.path(episode.id), tree=tree)
+    return views
 
 
 async def get_training(*, db_session: AsyncSession, episode_id: str) -> dict[str, Any]:
     """Return the training view of one episode."""
     episode = await get_episode(db_session=db_session, episode_id=episode_id)
-    return training_view(episode, await get_steps(db_session=db_session, episode_id=episode_id))
+    return (await training_views(db_session=db_session, episodes=[episode]))[episode.id]
+
+
+async def get_path_steps(*, db_session: AsyncSession, episode: Episode) -> list[EpisodeStep]:
+    """Return the steps of an episode's root-to-leaf path (its own steps outside trees)."""
+    if episode.root_episode_id is None:
+        return await get_steps(db_session=db_session, episode_id=episode.id)
+    return (await _tree_index(db_session, episode.root_episode_id)).path(episode.id)
+
+
+def _summary(step: EpisodeStep) -> tuple[str | None, str]:
+    action = step.action or {}
+    tool = action.get("tool") if isinstance(action, dict) else None
+    if tool is None:
+        return None, "unparseable output" if step.parse_error else ""
+    arguments = action.get("arguments")
+    if tool == "bash" and isinstance(arguments, dict) and isinstance(arguments.get("command"), str):
+        lines = arguments["command"].strip().splitlines() or [""]
+        text = lines[0] + (" ..." if len(lines) > 1 else "")
+    else:
+        text = tool
+    return tool, text[:120]
+
+
+async def get_tree(*, db_session: AsyncSession, episode_id: str) -> dict[str, Any]:
+    """Return the trajectory tree an episode belongs to: step nodes, edges, leaves and branch points.
+
+    An episode outside a branching rollout is a tree of one leaf.
+    """
+    episode = await get_episode(db_session=db_session, episode_id=episode_id)
+    if episode.root_episode_id is None:
+        tree = _TreeIndex([episode], {episode.id: await get_steps(db_session=db_session, episode_id=episode.id)})
+        root_id = episode.id
+    else:
+        root_id = episode.root_episode_id
+        tree = await _tree_index(db_session, root_id)
+
+    def node_of(eid: str, index: int) -> str:
+        """The node of step ``index`` on ``eid``'s path ("root" before the first step)."""
+        while index >= 0:
+            e = tree.episodes[eid]
+            if e.parent_episode_id is None or index >= (e.branch_turn or 0):
+                return f"{eid}:{index}"
+            eid = e.parent_episode_id
+        return "root"
+
+    nodes: list[dict[str, Any]] = [{"id": "root"}]
+    edges: list[dict[str, str]] = []
+    leaves: list[dict[str, Any]] = []
+    for eid in sorted(tree.episodes, key=lambda i: (tree.episodes[i].created_at, i)):
+        e = tree.episodes[eid]
+        own = tree.steps.get(eid, [])
+        for step in own:
+            tool, summary = _summary(step)
+            node = f"{eid}:{step.index}"
+            nodes.append({"id": node, "episode_id": eid, "turn": step.index, "tool": tool, "summary": summary,
+                          "observation": (step.observation or "")[:200], "reward": step.reward,
+                          "parse_error": step.parse_error is not None})
+            edges.append({"parent": node_of(eid, step.index - 1), "child": node})
+        last = node_of(eid, own[-1].index if own else (e.branch_turn or 0) - 1)
+        leaves.append({"episode_id": eid, "node": last, "reward": e.reward, "status": e.status.value,
+                       "termination": e.termination.value if e.termination else None,
+                       "parent_episode_id": e.parent_episode_id, "branch_turn": e.branch_turn})
+    fanout: dict[str, int] = {}
+    for edge in edges:
+        fanout[edge["parent"]] = fanout.get(edge["parent"], 0) + 1
+    return {
+        "root_episode_id": root_id, "rollout_id": episode.rollout_id, "task_id": episode.task_id,
+        "group_id": episode.group_id, "nodes": nodes, "edges": edges, "leaves": leaves,
+        "branch_points": [{"node": n, "children": c} for n, c in fanout.items() if c > 1],
+    }
+
+
+async def spawn_branches(
+    *, db_session: AsyncSession, parent_episode_id: str, turn: int, n: int, node: str | None = None
+) -> list[str]:
+    """Create ``n`` running branch episodes of a tree episode forked at ``turn``; return their ids.
+
+    Raises:
+        NotFoundError: no such parent episode.
+        ValueError: the parent is not part of a trajectory tree.
+    """
+    parent = await get_episode(db_session=db_session, episode_id=parent_episode_id)
+    if parent.root_episode_id is None:
+        raise ValueError(f"episode {parent_episode_id} is not part of a trajectory tree")
+    now = utcnow()
+    ids = []
+    for _ in range(n):
+        branch = Episode(
+            id=new_id("ep"), rollout_id=parent.rollout_id, group_id=parent.group_id, task_id=parent.task_id,
+            task_index=parent.task_index, sample_index=parent.sample_index, attempt=parent.attempt,
+            status=EpisodeStatus.RUNNING, messages=[], timings={}, weight_versions=[], info={}, num_turns=0,
+            parent_episode_id=parent.id, branch_turn=turn, root_episode_id=parent.root_episode_id, node=node,
+            created_at=now, started_at=now,
+        )
+        db_session.add(branch)
+        ids.append(branch.id)
+    await db_session.commit()
+    return ids
 
 
 # --------------------------------------------------------------------------- dispatch side
@@ -431,8 +625,8 @@ async def _settle(
         else:
             await _retire_stale(db_session, rollout, episode, now)
     elif episode.status == EpisodeStatus.FAILED:
-        if retry_failed and episode.attempt < rollout.max_attempts and rollout.status not in (
-                RolloutStatus.CANCELLED, RolloutStatus.FAILED):
+        if retry_failed and rollout.branching is None and episode.attempt < rollout.max_attempts and \
+                rollout.status not in (RolloutStatus.CANCELLED, RolloutStatus.FAILED):
             _queue_attempt(db_session, rollout, episode, now)
         else:
             episode.dead_letter_reason = episode.error or "the episode failed"
@@ -456,6 +650,8 @@ async def _retire_stale(
     reason = _stale_reason(episode)
     if rollout.staleness_action != StalenessAction.RERUN:
         episode.dead_letter_reason = reason
+    elif rollout.branching is not None:
+        episode.dead_letter_reason = f"{reason}; episodes of trajectory trees are not rerun"
     elif rollout.status in (RolloutStatus.CANCELLED, RolloutStatus.FAILED):
         episode.dead_letter_reason = f"{reason}; not rerun because the rollout is {rollout.status.value}"
     elif episode.attempt >= rollout.max_attempts:

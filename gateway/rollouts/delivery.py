@@ -39,7 +39,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.db import new_id, utcnow
 from gateway.episodes.models import Episode
-from gateway.episodes.service import get_steps_of, is_stale_now, lock_rollout, training_view, withdraw_stale
+from gateway.episodes.service import is_stale_now, lock_rollout, training_views, withdraw_stale
 from gateway.errors import NotFoundError, error_body
 from gateway.middleware import current_request_id
 from gateway.policies.service import current_version
@@ -210,10 +210,10 @@ async def deliver(
     await db_session.commit()
     if locked:
         rollout_events.notify(rollout_id)
-    steps = await get_steps_of(db_session=db_session, episode_ids=[e.id for e, _ in out])
+    views = await training_views(db_session=db_session, episodes=[e for e, _ in out])
     episodes = []
     for episode, lease in out:
-        view = training_view(episode, steps[episode.id])
+        view = views[episode.id]
         view.update(seq=lease.seq, rollout_id=episode.rollout_id, task_id=episode.task_id,
                     sample_index=episode.sample_index, attempt=episode.attempt,
                     delivery_count=lease.delivery_count)

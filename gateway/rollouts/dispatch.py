@@ -3,6 +3,16 @@
 It owns no state of its own that matters after a crash: every decision is read from and
 written to the database through the episode and rollout services, so a restarted
 gateway requeues what was interrupted and resumes the rollouts still active.
+
+Two ways of running episodes share sandboxes:
+
+- Branching rollouts run each sample as a trajectory tree (:mod:`workers.branching`):
+  the trunk episode forks branch episodes, which this dispatcher stores as they appear.
+- Groups of a task that declares deterministic tools (``[environment]
+  deterministic_tools = true``) run as one unit on a
+  :class:`~workers.shared_env.SharedEnvGroup` (lazy fork), unless the rollout turns
+  ``lazy_fork`` off. The group takes one concurrency slot and one agent slot: its samples
+  wait for each other at every step, so they must never queue behind each other.
 """
 
 from __future__ import annotations
@@ -13,15 +23,19 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.environments.models import Environment
 from gateway.episodes import service as episodes_service
 from gateway.policies import service as policies_service
 from gateway.rollouts import service as rollouts_service
 from gateway.tasks import service as tasks_service
+from gateway.rollouts.models import EpisodeStatus
 from gateway.tasks.models import Task
+from sandboxes.base import LABEL_OWNER
 from workers.errors import WorkerError
 from workers.policy import create_policy_client
+from workers.branching import BranchingSpec, Tree
 from workers.policy.base import PolicyClient, Sampling
-from workers.runner import AgentSettings, StageLimits, StepRecord, run_episode
+from workers.runner import AgentSettings, EpisodeResult, StageLimits, StepRecord, run_episode
 
 if TYPE_CHECKING:
     from gateway.episodes.models import Episode
@@ -76,7 +90,7 @@ class Dispatcher:
 
     async def cancel(self, rollout_id: str) -> None:
         """Stop a rollout's running episodes (the service has already cancelled it in the DB)."""
-        running = list(self._episodes.get(rollout_id, {}).values())
+        running = list(set(self._episodes.get(rollout_id, {}).values()))
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
@@ -101,7 +115,7 @@ class Dispatcher:
             return
         running = self._episodes.setdefault(rollout_id, {})
         slots = asyncio.Semaphore(max(1, rollout.concurrency))
-        tasks: dict[str, TerminalTask] = {}
+        tasks: dict[str, tuple[TerminalTask, str]] = {}
         try:
             while True:
                 async with self._sessionmaker() as db:
@@ -115,44 +129,118 @@ class Dispatcher:
                     await asyncio.wait(list(running.values()), return_when=asyncio.FIRST_COMPLETED)
                     continue
                 for episode in queued:
-                    await slots.acquire()
-                    async with self._sessionmaker() as db:
-                        ok = await episodes_service.mark_episode_running(
-                            db_session=db, episode_id=episode.id, node=self._node
-                        )
-                    if not ok:
-                        slots.release()
+                    if episode.id in running:  # taken with its group
                         continue
+                    await slots.acquire()
                     if episode.task_id not in tasks:
                         tasks[episode.task_id] = await self._load_task(episode.task_id)
-                    task = asyncio.create_task(
-                        self._run_episode(rollout, plan, episode, tasks[episode.task_id]), name=f"episode {episode.id}"
-                    )
-                    running[episode.id] = task
-                    task.add_done_callback(lambda _t, eid=episode.id: (running.pop(eid, None), slots.release()))
+                    task, env_version = tasks[episode.task_id]
+                    members = [episode]
+                    if plan.shares_sandboxes(task) and episode.attempt == 1:
+                        members = await self._queued_group(episode)
+                    started = []
+                    for member in members:
+                        async with self._sessionmaker() as db:
+                            if await episodes_service.mark_episode_running(
+                                    db_session=db, episode_id=member.id, node=self._node):
+                                started.append(member)
+                    if not started:
+                        slots.release()
+                        continue
+                    if len(started) == 1:
+                        coro = self._run_episode(rollout, plan, started[0], task, env_version)
+                    else:
+                        coro = self._run_shared_group(rollout, plan, started, task, env_version)
+                    run = asyncio.create_task(coro, name=f"episode {started[0].id}")
+                    for member in started:
+                        running[member.id] = run
+                    ids = [m.id for m in started]
+                    run.add_done_callback(lambda _t, ids=ids: ([running.pop(i, None) for i in ids], slots.release()))
         except asyncio.CancelledError:
-            for task in list(running.values()):
+            for task in set(running.values()):
                 task.cancel()
-            await asyncio.gather(*running.values(), return_exceptions=True)
+            await asyncio.gather(*set(running.values()), return_exceptions=True)
             raise
         finally:
             await plan.aclose()
             self._episodes.pop(rollout_id, None)
         logger.info("rollout %s: no episode left to run", rollout_id)
 
-    async def _load_task(self, task_id: str) -> TerminalTask:
+    async def _load_task(self, task_id: str) -> tuple[TerminalTask, str]:
+        """Return the task and its environment's ``name@version`` (part of the setup cache key)."""
         async with self._sessionmaker() as db:
             row = await db.get(Task, task_id)
-        if row is None:
-            raise WorkerError(f"task {task_id} vanished")
-        return await tasks_service.load_terminal_task(row)
+            if row is None:
+                raise WorkerError(f"task {task_id} vanished")
+            env = await db.get(Environment, row.environment_id)
+        env_version = f"{env.name}@{env.version}" if env is not None else ""
+        return await tasks_service.load_terminal_task(row), env_version
 
-    async def _run_episode(self, rollout: Rollout, plan: _Plan, episode: Episode, task: TerminalTask) -> None:
+    async def _queued_group(self, episode: Episode) -> list[Episode]:
+        """Return the queued first attempts of ``episode``'s group (it included)."""
+        async with self._sessionmaker() as db:
+            rows, _ = await episodes_service.list_episodes(
+                db_session=db, group_id=episode.group_id, status=EpisodeStatus.QUEUED, limit=1024)
+        members = [e for e in rows if e.attempt == 1]
+        return sorted(members, key=lambda e: e.sample_index) or [episode]
+
+    async def _run_shared_group(
+        self, rollout: Rollout, plan: _Plan, episodes: list[Episode], task: TerminalTask, env_version: str
+    ) -> None:
+        """Run a group's samples on one shared sandbox that forks where their actions diverge."""
+        from workers.shared_env import SharedEnvGroup
+
+        runtime = self._runtime
+        labels = {LABEL_OWNER: episodes[0].group_id, "forkyard.task": task.name, "forkyard.rollout": rollout.id}
+        image = await runtime.task_image(task)
+
+        async def new_env() -> Any:
+            return runtime.new_env(task, image=image, labels=labels, env_version=env_version)
+
+        group = SharedEnvGroup(new_env, size=len(episodes), backend=runtime.backend, task=task, labels=labels)
+        # Members wait for each other at every step: private stage limits, one real agent slot for all.
+        private = StageLimits.of(setup=len(episodes), agent=len(episodes), verify=len(episodes))
+        try:
+            async with self._stages.agent:
+                await asyncio.gather(*(
+                    self._run_episode(rollout, plan, episode, task, env_version, stages=private,
+                                      env_factory=lambda i=i: _ready(group.member(i)))
+                    for i, episode in enumerate(episodes)
+                ))
+        finally:
+            await group.aclose()
+            logger.info("group %s: %s", episodes[0].group_id, group.stats)
+
+    async def _run_episode(
+        self, rollout: Rollout, plan: _Plan, episode: Episode, task: TerminalTask, env_version: str, *,
+        stages: StageLimits | None = None, env_factory: Any = None,
+    ) -> None:
         sm = self._sessionmaker
 
-        async def on_step(step: StepRecord) -> None:
+        async def record(episode_id: str, step: StepRecord) -> None:
             async with sm() as db:
-                await episodes_service.record_step(db_session=db, episode_id=episode.id, step=step.as_dict())
+                await episodes_service.record_step(db_session=db, episode_id=episode_id, step=step.as_dict())
+
+        async def finish(episode_id: str, result: EpisodeResult) -> None:
+            async with sm() as db:
+                await episodes_service.finish_episode(
+                    db_session=db, episode_id=episode_id, status=result.status, termination=result.termination,
+                    reward=result.reward, error=result.error, messages=result.messages, timings=result.timings,
+                    weight_versions=result.weight_versions, info=result.info,
+                )
+
+        async def fail(episode_ids: list[str], termination: str, error: str) -> None:
+            for episode_id in episode_ids:
+                async with sm() as db:
+                    await episodes_service.finish_episode(
+                        db_session=db, episode_id=episode_id, status="failed", termination=termination,
+                        reward=None, error=error,
+                    )
+
+        async def spawn(parent_id: str, turn: int, n: int) -> list[str]:
+            async with sm() as db:
+                return await episodes_service.spawn_branches(
+                    db_session=db, parent_episode_id=parent_id, turn=turn, n=n, node=self._node)
 
         async def version_of() -> int:
             async with sm() as db:
@@ -174,40 +262,51 @@ class Dispatcher:
                         return
                 await asyncio.sleep(PAUSE_POLL_S)
 
+        tree = None
+        if plan.branching is not None:
+            tree = Tree(plan.branching, root_episode_id=episode.root_episode_id or episode.id, spawn=spawn,
+                        on_step=record, on_finish=finish, delete_snapshot=self._runtime.delete_snapshot)
         try:
             policy = plan.policy_for(task)
             try:
                 result = await run_episode(
                     episode_id=episode.id, task=task, runtime=self._runtime, policy=policy,
-                    settings=plan.settings, sampling=plan.sampling, tokenizer=plan.tokenizer, stages=self._stages,
-                    version_of=version_of, gate=gate, on_step=on_step, stale_check=stale_check,
-                    labels={"forkyard.rollout": rollout.id},
+                    settings=plan.settings, sampling=plan.sampling, tokenizer=plan.tokenizer,
+                    stages=stages or self._stages, version_of=version_of, gate=gate,
+                    on_step=lambda step: record(episode.id, step), stale_check=stale_check,
+                    labels={"forkyard.rollout": rollout.id}, env_version=env_version, tree=tree,
+                    env_factory=env_factory,
                 )
+                if tree is not None:
+                    result.info["tree"] = {"episodes": tree.episodes, "branch_points": tree.branch_points}
+                await finish(episode.id, result)
+                if tree is not None:
+                    await tree.join()
             finally:
                 if policy is not plan.shared_policy:
                     await policy.aclose()
         except asyncio.CancelledError:
+            branches = await self._cancel_tree(tree)
             if self._closed:
-                raise  # shutdown: left running, requeued at the next start
-            async with sm() as db:
-                await episodes_service.finish_episode(
-                    db_session=db, episode_id=episode.id, status="failed", termination="cancelled",
-                    reward=None, error="the rollout was cancelled while the episode ran",
-                )
+                raise  # shutdown: left running, failed (or requeued) at the next start
+            await fail([episode.id, *branches], "cancelled", "the rollout was cancelled while the episode ran")
             raise
         except WorkerError as exc:  # e.g. the scripted policy has no oracle for this task
-            async with sm() as db:
-                await episodes_service.finish_episode(
-                    db_session=db, episode_id=episode.id, status="failed", termination="error", reward=None,
-                    error=str(exc),
-                )
-            return
-        async with sm() as db:
-            await episodes_service.finish_episode(
-                db_session=db, episode_id=episode.id, status=result.status, termination=result.termination,
-                reward=result.reward, error=result.error, messages=result.messages, timings=result.timings,
-                weight_versions=result.weight_versions, info=result.info,
-            )
+            await fail([episode.id], "error", str(exc))
+
+    async def _cancel_tree(self, tree: Tree | None) -> list[str]:
+        """Stop a tree's branches; return the ids of those still running."""
+        if tree is None:
+            return []
+        await asyncio.shield(tree.cancel())
+        async with self._sessionmaker() as db:
+            rows = await episodes_service.list_tree_episodes(
+                db_session=db, root_episode_id=tree.root_episode_id, status=EpisodeStatus.RUNNING)
+        return [e.id for e in rows if e.id != tree.root_episode_id]
+
+
+async def _ready(member: Any) -> Any:
+    return member
 
 
 class _Plan:
@@ -220,12 +319,20 @@ class _Plan:
         sampling: Sampling,
         tokenizer: ChatTokenizer | None,
         shared_policy: PolicyClient | None,
+        branching: BranchingSpec | None = None,
+        lazy_fork: bool = False,
     ) -> None:
         self.spec = spec
         self.settings = settings
         self.sampling = sampling
         self.tokenizer = tokenizer
         self.shared_policy = shared_policy
+        self.branching = branching
+        self.lazy_fork = lazy_fork
+
+    def shares_sandboxes(self, task: TerminalTask) -> bool:
+        """Tell whether a group of ``task`` runs on one lazily forked sandbox."""
+        return self.lazy_fork and self.branching is None and task.deterministic_tools
 
     @classmethod
     async def load(cls, rollout: Rollout) -> _Plan:
@@ -247,7 +354,8 @@ class _Plan:
         shared = None
         if spec.get("api") != "scripted" or spec.get("actions"):
             shared = create_policy_client(spec, tokenizer=tokenizer, tool_call_format=settings.tool_call_format)
-        return cls(spec, settings, sampling, tokenizer, shared)
+        branching = BranchingSpec.from_dict(rollout.branching) if rollout.branching else None
+        return cls(spec, settings, sampling, tokenizer, shared, branching, bool(rollout.lazy_fork))
 
     def policy_for(self, task: TerminalTask) -> PolicyClient:
         """Return the client for an episode of ``task`` (a fresh one for oracle replays)."""

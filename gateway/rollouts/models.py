@@ -6,7 +6,7 @@ import enum
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, Enum, ForeignKey, Index, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Enum, ForeignKey, Index, String, Text, UniqueConstraint, true
 from sqlalchemy.orm import Mapped, mapped_column
 
 from gateway.db import Base, utcnow
@@ -113,6 +113,10 @@ class Rollout(Base):
     min_group_size: Mapped[int | None] = mapped_column(default=None)
     priority: Mapped[int] = mapped_column(default=0)
     concurrency: Mapped[int] = mapped_column(default=8)
+    branching: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    """The ``branching`` section (trajectory trees); None for plain groups."""
+    lazy_fork: Mapped[bool] = mapped_column(default=True, server_default=true())
+    """Share one sandbox per group while the samples' actions agree (tasks with deterministic tools)."""
     last_seq: Mapped[int] = mapped_column(default=0)
     """Highest delivery-stream position handed out in this rollout."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
@@ -123,7 +127,11 @@ class Rollout(Base):
 
 
 class EpisodeGroup(Base):
-    """All samples of one task in one rollout; released into the delivery stream as a unit."""
+    """All samples of one task in one rollout; released into the delivery stream as a unit.
+
+    In a branching rollout a group is one trajectory tree (one task sample): its episodes
+    are the tree's leaves.
+    """
 
     __tablename__ = "episode_group"
 

@@ -50,7 +50,8 @@ async def _read_all(db_session: DbSession, rows: list[Rollout]) -> list[RolloutR
             id=r.id, status=r.status, group_size=r.group_size, task_ids=list(r.task_ids or []), policy=r.policy,
             agent=r.agent, limits=r.limits, max_staleness=r.max_staleness, staleness_action=r.staleness_action,
             max_attempts=r.max_attempts, group_mode=GroupModeSpec(mode=r.group_mode, min_group_size=r.min_group_size),
-            priority=r.priority, concurrency=r.concurrency, counts=stats[r.id][0],
+            priority=r.priority, concurrency=r.concurrency, branching=r.branching, lazy_fork=r.lazy_fork,
+            counts=stats[r.id][0],
             progress=RolloutProgress(**stats[r.id][1]), created_at=r.created_at, started_at=r.started_at,
             finished_at=r.finished_at, error=r.error,
         )

@@ -106,6 +106,58 @@ class GroupModeSpec(BaseModel):
     min_group_size: int | None = Field(default=None, ge=1, le=1024)
 
 
+#: Most episodes one trajectory tree may hold.
+MAX_TREE_EPISODES = 1024
+
+
+class AdaptiveBranchingSpec(BaseModel):
+    """Branch where the policy was least certain, spending at most ``budget`` extra episodes per tree."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    budget: int = Field(ge=1, le=MAX_TREE_EPISODES - 1, description="Most extra episodes (branches) per tree.")
+    min_entropy: float = Field(ge=0.0, le=100.0, description="Re-sample a turn whose mean negative logprob per "
+                               "sampled token (an entropy estimate) reaches this.")
+    fanout: int = Field(default=2, ge=2, le=64, description="Branches per branch point, the original included.")
+
+
+class BranchingSpec(BaseModel):
+    """Trajectory trees: fork each sample's episode at fixed turns, or adaptively."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    at_turns: list[int] | None = Field(default=None, min_length=1, max_length=16,
+                                       description="Fork at the start of these turns (0-based, increasing).")
+    fanout: int = Field(default=2, ge=2, le=64, description="Branches per branch point, the original included.")
+    max_episodes: int | None = Field(default=None, ge=2, le=MAX_TREE_EPISODES,
+                                     description="Most episodes (leaves) per tree; default fanout ** len(at_turns).")
+    adaptive: AdaptiveBranchingSpec | None = None
+
+    @model_validator(mode="after")
+    def _one_way(self) -> BranchingSpec:
+        if (self.at_turns is None) == (self.adaptive is None):
+            raise ValueError("give either at_turns (with fanout) or adaptive {budget, min_entropy}")
+        if self.adaptive is not None:
+            if "fanout" in self.model_fields_set or self.max_episodes is not None:
+                raise ValueError("with adaptive branching, give fanout inside adaptive and no max_episodes")
+            return self
+        assert self.at_turns is not None
+        if any(t < 0 for t in self.at_turns) or any(b <= a for a, b in zip(self.at_turns, self.at_turns[1:])):
+            raise ValueError("at_turns must be non-negative and strictly increasing")
+        if self.max_episodes is None and self.fanout ** len(self.at_turns) > MAX_TREE_EPISODES:
+            raise ValueError(f"fanout ** len(at_turns) is more than {MAX_TREE_EPISODES} episodes per tree; "
+                             "set max_episodes")
+        return self
+
+    @property
+    def tree_episodes(self) -> int:
+        """Most episodes one tree can hold."""
+        if self.adaptive is not None:
+            return 1 + self.adaptive.budget
+        assert self.at_turns is not None
+        return self.max_episodes or self.fanout ** len(self.at_turns)
+
+
 class RolloutCreate(BaseModel):
     """Ask for ``group_size`` episodes of each task with one policy."""
 
@@ -123,6 +175,11 @@ class RolloutCreate(BaseModel):
     group_mode: GroupModeSpec = Field(default_factory=GroupModeSpec)
     priority: int = Field(default=0, ge=-1000, le=1000)
     concurrency: int = Field(default=8, ge=1, le=4096)
+    branching: BranchingSpec | None = Field(
+        default=None, description="Run each sample as a trajectory tree; each group is then one tree.")
+    lazy_fork: bool = Field(
+        default=True, description="For tasks that declare deterministic tools: the samples of a group share one "
+        "sandbox while their actions agree, forking it where they diverge.")
 
     @field_validator("tasks", mode="before")
     @classmethod
@@ -140,6 +197,17 @@ class RolloutCreate(BaseModel):
                                  f"({self.group_size})")
         elif mode.min_group_size is not None:
             raise ValueError("group_mode.min_group_size only applies to group_mode.mode early")
+        if self.branching is not None:
+            if mode.mode == GroupMode.EARLY:
+                raise ValueError("group_mode early is not supported with branching (a group is one tree)")
+            if self.staleness_action == StalenessAction.RERUN:
+                raise ValueError("staleness_action rerun is not supported with branching: a branch cannot be "
+                                 "rerun without its parent; use dead_letter")
+            if self.branching.adaptive is not None and self.policy.api == "scripted":
+                raise ValueError("adaptive branching needs logprobs: use the tokens or chat api")
+            if self.branching.at_turns is not None and self.branching.at_turns[-1] >= self.agent.max_turns:
+                raise ValueError(f"at_turns {self.branching.at_turns[-1]} is not below agent.max_turns "
+                                 f"({self.agent.max_turns})")
         return self
 
 
@@ -171,6 +239,8 @@ class RolloutRead(BaseModel):
     group_mode: GroupModeSpec
     priority: int
     concurrency: int
+    branching: dict[str, Any] | None
+    lazy_fork: bool
     counts: dict[str, int]
     """Episode rows by status (every attempt counts)."""
     progress: RolloutProgress

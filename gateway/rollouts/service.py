@@ -104,9 +104,11 @@ async def create_rollout(*, db_session: AsyncSession, spec: RolloutCreate) -> Ro
     """
     tasks = await _resolve_tasks(db_session, spec.tasks)
     total = len(tasks) * spec.group_size
-    if total > MAX_EPISODES_PER_ROLLOUT:
-        raise InvalidRequestError(f"The rollout asks for {total} episodes ({len(tasks)} tasks x group_size "
-                                  f"{spec.group_size}); the limit is {MAX_EPISODES_PER_ROLLOUT}.")
+    per_tree = spec.branching.tree_episodes if spec.branching is not None else 1
+    if total * per_tree > MAX_EPISODES_PER_ROLLOUT:
+        trees = f" x up to {per_tree} per tree" if spec.branching is not None else ""
+        raise InvalidRequestError(f"The rollout asks for {total * per_tree} episodes ({len(tasks)} tasks x "
+                                  f"group_size {spec.group_size}{trees}); the limit is {MAX_EPISODES_PER_ROLLOUT}.")
     await ensure_policy(db_session=db_session, name=spec.policy.name)
     now = utcnow()
     rollout = Rollout(
@@ -116,20 +118,26 @@ async def create_rollout(*, db_session: AsyncSession, spec: RolloutCreate) -> Ro
         max_staleness=spec.max_staleness, staleness_action=spec.staleness_action, max_attempts=spec.max_attempts,
         group_mode=spec.group_mode.mode, min_group_size=spec.group_mode.min_group_size, priority=spec.priority,
         concurrency=spec.concurrency, last_seq=0, created_at=now, updated_at=now,
+        branching=spec.branching.model_dump(mode="json", exclude_none=True) if spec.branching is not None else None,
+        lazy_fork=spec.lazy_fork,
     )
     db_session.add(rollout)
     groups: list[dict[str, Any]] = []
     episodes: list[dict[str, Any]] = []
+    branching = spec.branching is not None
     for task_index, (task_id, _) in enumerate(tasks):
-        group_id = new_id("grp")
-        groups.append({"id": group_id, "rollout_id": rollout.id, "task_id": task_id, "created_at": now,
-                       "updated_at": now, "released_at": None})
+        group_id = ""
         for sample_index in range(spec.group_size):
+            if not group_id or branching:  # a branching rollout's group is one tree (one sample)
+                group_id = new_id("grp")
+                groups.append({"id": group_id, "rollout_id": rollout.id, "task_id": task_id, "created_at": now,
+                               "updated_at": now, "released_at": None})
+            episode_id = new_id("ep")
             episodes.append({
-                "id": new_id("ep"), "rollout_id": rollout.id, "group_id": group_id, "task_id": task_id,
+                "id": episode_id, "rollout_id": rollout.id, "group_id": group_id, "task_id": task_id,
                 "task_index": task_index, "sample_index": sample_index, "attempt": 1, "status": EpisodeStatus.QUEUED,
                 "messages": [], "timings": {}, "weight_versions": [], "info": {}, "num_turns": 0,
-                "created_at": now,
+                "created_at": now, "root_episode_id": episode_id if branching else None,
             })
     await db_session.flush()
     for start in range(0, len(groups), INSERT_BATCH):
@@ -175,6 +183,7 @@ async def rollout_stats(
     """Return, per rollout id, (episode counts by status, progress {total, finished, streamed, delivered})."""
     ids = [r.id for r in rollouts]
     counts: dict[str, dict[str, int]] = {i: {} for i in ids}
+    active_samples: dict[str, int] = dict.fromkeys(ids, 0)
     streamed: dict[str, int] = dict.fromkeys(ids, 0)
     delivered: dict[str, int] = dict.fromkeys(ids, 0)
     for start in range(0, len(ids), CHUNK):
@@ -183,6 +192,13 @@ async def rollout_stats(
                 select(Episode.rollout_id, Episode.status, func.count())
                 .where(Episode.rollout_id.in_(chunk)).group_by(Episode.rollout_id, Episode.status))).all():
             counts[rollout_id][EpisodeStatus(status).value] = int(n)
+        # A sample (a tree in a branching rollout) is unfinished while any of its episodes is queued or running.
+        samples = (select(Episode.rollout_id, Episode.group_id, Episode.sample_index)
+                   .where(Episode.rollout_id.in_(chunk), Episode.status.in_(list(ACTIVE_EPISODE_STATUSES)))
+                   .distinct().subquery())
+        for rollout_id, n in (await db_session.execute(
+                select(samples.c.rollout_id, func.count()).group_by(samples.c.rollout_id))).all():
+            active_samples[rollout_id] = int(n)
         for rollout_id, n in (await db_session.execute(
                 select(Episode.rollout_id, func.count())
                 .where(Episode.rollout_id.in_(chunk), Episode.seq.is_not(None)).group_by(Episode.rollout_id))).all():
@@ -195,9 +211,7 @@ async def rollout_stats(
     stats: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
     for rollout in rollouts:
         total = len(rollout.task_ids or []) * rollout.group_size
-        # Only a sample's latest attempt can be queued or running, so these count unfinished samples.
-        active = sum(counts[rollout.id].get(s.value, 0) for s in ACTIVE_EPISODE_STATUSES)
-        progress = {"total": total, "finished": total - active, "streamed": streamed[rollout.id],
+        progress = {"total": total, "finished": total - active_samples[rollout.id], "streamed": streamed[rollout.id],
                     "delivered": delivered[rollout.id]}
         stats[rollout.id] = (counts[rollout.id], progress)
     return stats

@@ -20,6 +20,7 @@ from gateway.errors import ConflictError, NotFoundError, RateLimitedError
 from gateway.pagination import page_of, paginate
 from gateway.sandboxes.models import Sandbox
 from gateway.sessions.models import EnvSession, SessionState
+from gateway.tasks.models import Task
 from gateway.tasks.service import get_task, load_terminal_task
 from sandboxes.base import SandboxState
 from sandboxes.errors import SandboxCrashedError, SandboxNotFoundError
@@ -35,6 +36,11 @@ logger = logging.getLogger(__name__)
 LABEL_TASK_ID = "forkyard.task_id"
 #: Longest error text kept on a session row.
 MAX_ERROR_CHARS = 2000
+
+
+def environment_version(task: Task) -> str:
+    """Return ``name@version`` of the task's environment (it keys the workers' setup cache)."""
+    return f"{task.environment.name}@{task.environment.version}"
 
 
 def _error_text(exc: BaseException | str) -> str:
@@ -94,7 +100,9 @@ async def open_session(
     await db_session.commit()
     try:
         terminal_task = await load_terminal_task(task)
-        opened = await runtime.open_session(row.id, terminal_task, labels={LABEL_TASK_ID: task.id})
+        opened = await runtime.open_session(
+            row.id, terminal_task, labels={LABEL_TASK_ID: task.id}, env_version=environment_version(task)
+        )
     except Exception as exc:
         logger.warning("session %s on task %s failed to open: %s", row.id, task.id, exc)
         await _finish(db_session, row.id, SessionState.FAILED, error=_error_text(exc))
@@ -203,6 +211,7 @@ async def recover_node(*, db_session: AsyncSession, runtime: WorkerRuntime, node
     reaped = await runtime.reap(keep_owner_ids=set())
     if reaped:
         logger.info("reaped %d orphan sandbox(es) on node %s: %s", len(reaped), node, ", ".join(reaped))
+    await runtime.sweep_transient_snapshots()
     for session_id in open_ids:
         await _finish(db_session, session_id, SessionState.FAILED,
                       error="the gateway restarted while the session was open; its sandbox was reaped")

@@ -323,9 +323,15 @@ def test_create_body_holds_only_the_options_given():
     options = _create_request(
         tasks=["t1"], group_size=2, policy=ORACLE, agent=None, limits=None, max_staleness=None,
         staleness_action="rerun", max_attempts=3, group_mode="complete", priority=None, concurrency=None,
-        extra_body=None,
+        branching=None, lazy_fork=None, extra_body=None,
     )
     assert json.loads(json.dumps(options.json)) == {
         "tasks": {"ids": ["t1"]}, "group_size": 2, "policy": ORACLE,
         "staleness_action": "rerun", "max_attempts": 3, "group_mode": {"mode": "complete"},
     }
+    tree = _create_request(
+        tasks=["t1"], group_size=1, policy=ORACLE, agent=None, limits=None, max_staleness=None,
+        staleness_action=None, max_attempts=None, group_mode=None, priority=None, concurrency=None,
+        branching={"at_turns": [2], "fanout": 4}, lazy_fork=False, extra_body=None,
+    )
+    assert tree.json["branching"] == {"at_turns": [2], "fanout": 4} and tree.json["lazy_fork"] is False

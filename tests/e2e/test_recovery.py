@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 import forkyard
-from tests.conftest import leftover_sandboxes
+from tests.conftest import leftover_sandboxes, leftover_storage
 from tests.live import run_gateway
 
 ECHO_TASK = {
@@ -73,3 +73,36 @@ def test_restart_mid_rollout_resumes_and_delivers_everything(backend, tmp_path):
             assert interrupted and all("restart" in (e.error or "") for e in interrupted)
             assert client.rollouts.get(rollout.id).status == "completed"
         assert leftover_sandboxes(backend, node, tmp_path) == []
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_restart_mid_tree_fails_its_episodes_and_frees_its_snapshots(backend, tmp_path):
+    node = f"e2e-tree-crash-{backend}-{uuid.uuid4().hex[:6]}"
+    actions = [{"tool": "bash", "arguments": {"command": "echo trunk > /root/t"}},
+               {"tool": "bash", "arguments": {"command": "sleep 30"}}, {"tool": "submit", "arguments": {}}]
+    with run_gateway(backend, tmp_path, node=node) as gw:
+        with forkyard.Client(base_url=gw.url, api_key=gw.api_key) as client:
+            task = client.tasks.import_specs([ECHO_TASK])[0]
+            rollout = client.rollouts.create(
+                tasks=[task.id], group_size=1, branching={"at_turns": [1], "fanout": 3},
+                policy={"name": "tree-crash", "api": "scripted", "actions": actions},
+            )
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # wait until the tree has forked
+                if len(list(client.episodes.list(rollout_id=rollout.id))) == 3:
+                    break
+                time.sleep(0.2)
+            time.sleep(1.0)
+        gw.crash()
+        left = leftover_storage(backend, node, tmp_path)
+        assert left["snapshots"], left  # the crash left the tree's snapshot behind
+
+    with run_gateway(backend, tmp_path, node=node) as gw:
+        with forkyard.Client(base_url=gw.url, api_key=gw.api_key) as client:
+            episodes = list(client.episodes.list(rollout_id=rollout.id))
+            assert len(episodes) == 3  # a tree is not rerun: its branches cannot resume without their parent
+            assert all(e.status == "failed" and "restart" in (e.error or "") for e in episodes)
+            assert client.rollouts.get(rollout.id).status == "completed"
+            assert len(list(client.rollouts.dead_letters(rollout.id))) == 3
+    assert leftover_sandboxes(backend, node, tmp_path) == []
+    assert {k: v for k, v in leftover_storage(backend, node, tmp_path).items() if v} == {}

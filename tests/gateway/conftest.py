@@ -6,6 +6,7 @@ tests exercise the API logic; the real runtime and sandboxes are covered end to 
 
 from __future__ import annotations
 
+import collections
 import io
 import secrets
 import tarfile
@@ -49,6 +50,8 @@ class FakeRuntime:
         self.snapshots: dict[str, dict[str, Any]] = {}
         """Backend snapshots: id -> the fake session state they captured."""
         self.deleted_snapshots: list[str] = []
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.setup_cache = None
 
     async def start(self, *, progress: Callable[[str], None] | None = None) -> None:
         if progress:
@@ -64,8 +67,8 @@ class FakeRuntime:
         )
         return sandbox_id
 
-    async def open_session(self, session_id: str, task: TerminalTask, *, labels: Mapping[str, str] | None = None
-                           ) -> SessionOpened:
+    async def open_session(self, session_id: str, task: TerminalTask, *, labels: Mapping[str, str] | None = None,
+                           env_version: str = "") -> SessionOpened:
         if task.metadata.get("fake_fail_build"):
             raise ImageBuildError("environment/Dockerfile line 2: unsupported instruction 'FROBNICATE'")
         sandbox_id = "sbx_" + secrets.token_hex(6)
@@ -75,7 +78,9 @@ class FakeRuntime:
             labels={LABEL_NODE: self.node, LABEL_OWNER: session_id, "forkyard.task": task.name, **(labels or {})},
         )
         self.sandboxes[sandbox_id] = info
-        self.sessions[session_id] = {"sandbox": sandbox_id, "task": task, "done": False, "solved": False}
+        self.sessions[session_id] = {"sandbox": sandbox_id, "task": task, "done": False, "solved": False,
+                                     "env_version": env_version}
+        self.counters["resets"] += 1
         return SessionOpened(session_id, info, task.instruction, [BASH_TOOL, SUBMIT_TOOL])
 
     async def step(self, session_id: str, tool: str, arguments: dict[str, Any]) -> StepResult:
@@ -84,6 +89,7 @@ class FakeRuntime:
             raise SessionNotFoundError(f"no open session {session_id} on node {self.node}")
         if session["done"]:
             raise SessionClosedError(f"session {session_id} has ended")
+        self.counters["env_steps"] += 1
         if tool == "bash":
             if set(arguments) - {"command", "timeout"} or not isinstance(arguments.get("command"), str):
                 raise ActionError("bash takes {'command': string, 'timeout'?: number}")
@@ -147,6 +153,9 @@ class FakeRuntime:
             reaped.append(info.id)
         self.reaped.extend(reaped)
         return reaped
+
+    async def sweep_transient_snapshots(self) -> list[str]:
+        return []  # the fake takes no tree or lazy-fork snapshots
 
     async def aclose(self) -> None:
         for session_id in list(self.sessions):

@@ -124,7 +124,13 @@ def test_snapshots_revision_keeps_sessions_and_downgrades(backend, tmp_path, req
             assert "snapshot" in set(inspect(conn).get_table_names())
             rows = conn.exec_driver_sql("SELECT id, steps, history, snapshot_id FROM session").all()
             assert [tuple(r) for r in rows] == [("sess_1", 3, None, None)]
+        command.upgrade(cfg, "head")  # 0004 (branching) adds columns to rollout and episode only
         assert_schema_matches_models(url)
+        command.downgrade(cfg, "0003")
+        with engine.connect() as conn:
+            assert {c["name"] for c in inspect(conn).get_columns("episode")}.isdisjoint(
+                {"parent_episode_id", "branch_turn", "root_episode_id"})
+            assert {c["name"] for c in inspect(conn).get_columns("rollout")}.isdisjoint({"branching", "lazy_fork"})
         command.downgrade(cfg, "0002")
         with engine.connect() as conn:
             assert "snapshot" not in set(inspect(conn).get_table_names())

@@ -298,7 +298,7 @@ async def test_tokens_client_request_and_answer(fake_server):
     assert body["model"] == "m"
     assert body["output_mode"] == "text"  # no local tokenizer: the server decodes
     params = body["sampling_params"]
-    assert params["logprobs"] == 0 and params["max_tokens"] == 3 and params["seed"] == 5
+    assert params["logprobs"] == 0 and params["max_tokens"] == 3 and params["seed"] == SAMPLING.seed_for("ep", [])
     assert params["temperature"] == 0.8 and params["top_p"] == 0.95 and params["stop"] == ["</tool_call>"]
     assert params["include_stop_str_in_output"] is True
     expected = _tokens_answer(body)["choices"][0]
@@ -419,7 +419,8 @@ async def test_chat_client_request_and_answer(fake_server):
     body = fake_server.bodies["good"][-1]
     assert body["model"] == "served" and body["messages"] == MESSAGES and body["tools"] == TOOLS
     assert body["logprobs"] is True and body["return_token_ids"] is True and body["tool_choice"] == "auto"
-    assert body["max_tokens"] == 3 and body["seed"] == 5 and body["stop"] == ["</tool_call>"]
+    assert body["max_tokens"] == 3 and body["seed"] == SAMPLING.seed_for("ep", MESSAGES)
+    assert body["stop"] == ["</tool_call>"]
     assert gen.text == "hello"
     assert gen.token_ids == [21, 22] and gen.logprobs == [-0.25, -1.0]
     assert gen.prompt_token_ids == [1, 2, 3]
@@ -505,25 +506,53 @@ async def test_scripted_oracle_replays_the_solution(task_dir):
     policy = create_policy_client({"api": "scripted"}, task=task)
     assert policy.api == "scripted"
 
-    async def turn(episode: str) -> list[dict]:
-        gen = await policy.generate(episode_id=episode, prompt_ids=None, messages=MESSAGES, tools=TOOLS,
+    async def turn(episode: str, done: int) -> list[dict]:
+        history = MESSAGES + [{"role": "assistant", "content": "..."}] * done
+        gen = await policy.generate(episode_id=episode, prompt_ids=None, messages=history, tools=TOOLS,
                                     sampling=Sampling())
         assert gen.server == "scripted" and gen.token_ids is None
         return parse_tool_calls(gen.text)
 
     body = solve if solve.endswith("\n") else solve + "\n"
-    assert await turn("a") == [{
+    assert await turn("a", 0) == [{
         "name": "bash",
         "arguments": {"command": f"bash <<'{ORACLE_DELIMITER}'\n{body}{ORACLE_DELIMITER}",
                       "timeout": task.agent_timeout_s},
     }]
-    assert await turn("b") == await turn("c") != []  # other episodes start from the top
-    assert await turn("a") == [{"name": "submit", "arguments": {}}]
+    assert await turn("b", 0) == await turn("c", 0) != []  # the turn, not the episode, picks the action
+    assert await turn("a", 1) == [{"name": "submit", "arguments": {}}]
     with pytest.raises(PolicyError, match="no action left"):
-        await turn("a")
-    policy.release("a")
-    assert (await turn("a"))[0]["name"] == "bash"
+        await turn("a", 2)
     await policy.aclose()
+
+
+async def test_scripted_one_of_picks_reproducibly_per_episode_and_turn():
+    choices = [{"tool": "bash", "arguments": {"command": f"echo {i}"}} for i in range(4)]
+    policy = ScriptedPolicy([{"one_of": choices}, {"tool": "submit"}])
+
+    async def first(episode: str, seed: int | None) -> str:
+        gen = await policy.generate(episode_id=episode, prompt_ids=None, messages=MESSAGES, tools=TOOLS,
+                                    sampling=Sampling(seed=seed))
+        return parse_tool_calls(gen.text)[0]["arguments"]["command"]
+
+    picks = [await first(f"ep{i}", 7) for i in range(40)]
+    assert picks == [await first(f"ep{i}", 7) for i in range(40)]  # same episode, seed, turn: same pick
+    assert set(picks) == {f"echo {i}" for i in range(4)}  # and the episodes diverge
+    with pytest.raises(PolicyError, match="one_of"):
+        ScriptedPolicy([{"one_of": []}])
+    with pytest.raises(PolicyError, match=r"0\.one_of\[1\]"):
+        ScriptedPolicy([{"one_of": [{"tool": "bash"}, {"arguments": {}}]}])
+
+
+def test_each_call_gets_its_own_seed_derived_from_the_rollout_seed():
+    """One seed on every call would make the samples of a group (and the branches of a tree) identical."""
+    seeded = Sampling(seed=5)
+    turn1 = [*MESSAGES, {"role": "assistant", "content": "x"}]
+    seeds = {seeded.seed_for(ep, msgs) for ep in ("a", "b") for msgs in (MESSAGES, turn1)}
+    assert len(seeds) == 4 and all(0 <= s < 2**31 for s in seeds)
+    assert seeded.seed_for("a", turn1) == Sampling(seed=5).seed_for("a", turn1)  # reproducible
+    assert seeded.seed_for("a", MESSAGES) != Sampling(seed=6).seed_for("a", MESSAGES)
+    assert Sampling().seed_for("a", MESSAGES) is None
 
 
 def test_oracle_heredoc_runs_the_script_verbatim(tmp_path):
@@ -561,7 +590,8 @@ async def test_scripted_actions_in_json_format_with_token_ids(tiny_models):
     policy = create_policy_client({"api": "scripted", "actions": actions}, tool_call_format="json", tokenizer=tok)
     texts = []
     for _ in actions:
-        gen = await policy.generate(episode_id="e", prompt_ids=[1, 2], messages=MESSAGES, tools=TOOLS,
+        history = MESSAGES + [{"role": "assistant", "content": t} for t in texts]
+        gen = await policy.generate(episode_id="e", prompt_ids=[1, 2], messages=history, tools=TOOLS,
                                     sampling=Sampling())
         assert gen.token_ids[-1] == tok.end_of_turn_id
         assert tok.decode(gen.token_ids[:-1]) == gen.text
@@ -626,7 +656,7 @@ async def test_tokens_policy_against_vllm(vllm_server, tiny_models):
 
 
 async def test_tokens_policy_text_mode_against_vllm(vllm_server, tiny_models):
-    """Without a local tokenizer the server decodes; same seed and prompt, same ids as with one."""
+    """Without a local tokenizer the server decodes; same call seed and prompt, same ids as with one."""
     tok = ChatTokenizer(tiny_models.primary)
     prompt = tok.initial_prompt_ids(MESSAGES, TOOLS)
     sampling = Sampling(temperature=1.0, max_tokens=16, seed=11)
@@ -634,7 +664,7 @@ async def test_tokens_policy_text_mode_against_vllm(vllm_server, tiny_models):
     server_text = TokensPolicy([vllm_server.base_url], model=vllm_server.model)
     try:
         a = await with_tok.generate(episode_id="t1", prompt_ids=prompt, messages=[], tools=[], sampling=sampling)
-        b = await server_text.generate(episode_id="t2", prompt_ids=prompt, messages=[], tools=[], sampling=sampling)
+        b = await server_text.generate(episode_id="t1", prompt_ids=prompt, messages=[], tools=[], sampling=sampling)
     finally:
         await with_tok.aclose()
         await server_text.aclose()
@@ -673,4 +703,5 @@ async def test_chat_policy_against_vllm(vllm_server, tiny_models):
     if gen.finish_reason == "tool_calls":  # the server's hermes parser took the calls out; they come back as text
         assert "<tool_call>" in decoded and parse_tool_calls(gen.text)
     else:
-        assert gen.text == decoded
+        # A sample cut by max_tokens can end inside a UTF-8 character: the server holds those bytes back.
+        assert gen.text == decoded or (gen.finish_reason == "length" and decoded.rstrip("\ufffd") == gen.text)

@@ -151,3 +151,86 @@ def test_weight_reload_and_announce_stamp_later_turns(stack, vllm_server, tiny_m
     for ep in episodes:
         assert set(ep.weight_versions) == {1}
         assert all(s.weight_version == 1 for s in client.episodes.get(ep.episode_id).steps)
+
+
+def task_named(client: forkyard.Client, name: str):
+    (task,) = client.tasks.import_dir(TASKS_DIR / name)  # importing the same content again returns the task
+    return task
+
+
+def check_leaf_is_token_exact(client: forkyard.Client, proxy: RecordingProxy, leaf) -> None:
+    """Every policy call on the leaf's path saw exactly the leaf's tokens so far and returned its sampled ones."""
+    detail = client.episodes.get(leaf.episode_id, tokens=True)
+    calls = {req["request_id"]: (req, resp["choices"][0]) for req, resp in proxy.calls}
+    by_owner: dict[str, list] = {}
+    for req_id, call in calls.items():
+        by_owner.setdefault(req_id.rsplit("-", 1)[0], []).append((int(req_id.rsplit("-", 1)[1]), call))
+    offset, sampled = 0, []
+    for step in detail.steps:
+        owner_calls = [c for _, c in sorted(by_owner[step.episode_id], key=lambda x: x[0])]
+        own_steps = [s for s in detail.steps if s.episode_id == step.episode_id]
+        request, reply = owner_calls[own_steps.index(step)]
+        offset += len(step.prompt_ids)
+        assert request["token_ids"] == leaf.input_ids[:offset]  # the context sent is the leaf's prefix
+        assert step.completion_ids == reply["token_ids"]
+        assert step.logprobs == [c["logprob"] for c in reply["logprobs"]["content"]]
+        assert leaf.input_ids[offset:offset + len(step.completion_ids)] == step.completion_ids
+        offset += len(step.completion_ids)
+        sampled += step.completion_ids
+    assert offset == len(leaf.input_ids)
+    assert [t for t, m in zip(leaf.input_ids, leaf.loss_mask) if m] == sampled
+    assert sum(leaf.loss_mask) == len(leaf.logprobs)
+
+
+def test_branching_tree_is_token_exact_and_runs_the_prefix_once(stack, vllm_server, tiny_models):
+    client, proxy = stack
+    task = task_named(client, "word-frequency")
+    calls_before = len(proxy.calls)
+    rollout = client.rollouts.create(
+        tasks=[task.id], group_size=1, policy=policy_spec(proxy, vllm_server, tiny_models, "tiny-tree"),
+        agent={"max_turns": 3}, branching={"at_turns": [1], "fanout": 3},
+    )
+    leaves = consume(client, rollout.id)
+    assert len(leaves) == 3 and len({ep.group_id for ep in leaves}) == 1
+    tree = client.episodes.tree(leaves[0].episode_id)
+    root = tree.root_episode_id
+    # root + the trunk's 3 turns + 2 branches x 2 turns; the fork follows turn 0.
+    assert len(tree.nodes) == 1 + 3 + 2 * 2
+    assert tree.branch_points == [{"node": f"{root}:0", "children": 3}]
+    # The shared turn ran once: 7 policy calls and 7 stored steps, not 3 x 3.
+    assert len(proxy.calls) - calls_before == 7
+    assert sum(e.num_turns for e in client.episodes.list(rollout_id=rollout.id)) == 7
+    for leaf in leaves:
+        check_leaf_is_token_exact(client, proxy, leaf)
+    # Every leaf marks the same shared prefix: turn 0 and the prompt of turn 1, identical tokens in each.
+    shared = {ep.shared_prefix_len for ep in leaves}
+    assert len(shared) == 1
+    (n,) = shared
+    assert n > 0 and len({tuple(ep.input_ids[:n]) for ep in leaves}) == 1
+    assert len({tuple(ep.input_ids[:n + 1]) for ep in leaves}) > 1 or len(leaves) == 1
+
+
+def test_adaptive_branching_spends_its_budget_where_the_policy_is_uncertain(stack, vllm_server, tiny_models):
+    client, proxy = stack
+    task = task_named(client, "word-frequency")
+    spec = policy_spec(proxy, vllm_server, tiny_models, "tiny-adaptive")
+    certain = client.rollouts.create(tasks=[task.id], group_size=1, policy=spec, agent={"max_turns": 2},
+                                     branching={"adaptive": {"budget": 3, "min_entropy": 99.0}})
+    assert len(consume(client, certain.id)) == 1  # a random tiny model is never that uncertain
+    rollout = client.rollouts.create(tasks=[task.id], group_size=1, policy=spec, agent={"max_turns": 2},
+                                     branching={"adaptive": {"budget": 3, "min_entropy": 0.0}})
+    leaves = consume(client, rollout.id)
+    assert len(leaves) == 4  # 1 + budget
+    episodes = {e.id: e for e in client.episodes.list(rollout_id=rollout.id)}
+    root = next(e for e in episodes.values() if e.parent_episode_id is None)
+    points = client.episodes.get(root.id).info["tree"]["branch_points"]
+    assert points and all(p["reason"] == "adaptive" for p in points)
+    for point in points:
+        # The recorded uncertainty is the mean negative logprob of the turn the branches re-sampled.
+        parent = client.episodes.get(point["episode_id"], tokens=True)
+        step = next(s for s in parent.steps if s.index == point["turn"])
+        assert point["uncertainty"] == pytest.approx(-sum(step.logprobs) / len(step.logprobs))
+        for branch_id in point["branches"]:
+            assert episodes[branch_id].branch_turn == point["turn"]
+    for leaf in leaves:
+        check_leaf_is_token_exact(client, proxy, leaf)

@@ -203,3 +203,33 @@ async def test_deep_chains_are_squashed(backend, snaps):
     assert (
         snaps[-1].layers[0] == snaps[0].layers[0]
     )  # the image's base layer is never copied
+
+
+def _docker_layers(image_id: str) -> int:
+    import docker
+
+    client = docker.from_env()
+    try:
+        return len(client.images.get(image_id).attrs["RootFS"]["Layers"])
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("backend", ["docker"], indirect=True)
+async def test_deep_docker_chains_are_flattened(backend, snaps):
+    """Every commit adds a layer; past the bound a snapshot image is flattened with the same files and config."""
+    base_depth = _docker_layers(BASE_REF)
+    backend.max_snapshot_layers = base_depth + 2
+    current = await backend.create(SPEC)
+    await backend.exec(current.id, "mkdir -p /work && cd /work && echo 0 > gen0 && rm /etc/issue.net")
+    depths = []
+    for gen in range(1, 6):
+        await backend.exec(current.id, f"export GEN={gen}")
+        snap = await backend.snapshot(current.id)
+        snaps.append(snap)
+        depths.append(_docker_layers(snap.digest))
+        [current] = await backend.restore(snap)
+        await backend.exec(current.id, f"echo {gen} > gen{gen} && rm gen{gen - 1}")
+    assert max(depths) <= base_depth + 2 and min(depths) < base_depth  # at least one was flattened
+    r = await backend.exec(current.id, 'echo "$PWD|$GEN|$FORKYARD_TEST_IMAGE"; ls; test -e /etc/issue.net || echo gone')
+    assert r.stdout == "/work|5|base\ngen5\ngone\n", r

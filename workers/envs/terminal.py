@@ -9,6 +9,13 @@ directory with the environment the image started with (not what the agent
 exported), and the reward is read from ``/logs/verifier/reward.txt`` (a number) or
 ``/logs/verifier/reward.json`` (an object of numbers).
 
+A task with ``environment/setup.sh`` has it run at every reset, right after the
+sandbox starts (from the working directory, with the image's environment, bounded by
+``[environment] setup_timeout_sec``); a failure fails the reset. With a
+:class:`~workers.setup_cache.SetupCache`, only the first reset of a (environment
+version, task content, image) runs it: the sandbox is snapshotted right after, and
+later resets restore that snapshot with a fresh agent time budget.
+
 The observation of a bash step is, in this order and each only when present::
 
     <stdout>
@@ -22,6 +29,7 @@ The observation of a bash step is, in this order and each only when present::
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import math
@@ -34,13 +42,18 @@ from sandboxes.base import ExecResult, Resources, SandboxBackend, SandboxInfo, S
 from sandboxes.errors import BackendUnavailableError, SandboxCrashedError, SandboxError, SandboxNotFoundError
 from workers.errors import ActionError, SessionClosedError, TaskFormatError
 from workers.runtime import StepResult
-from workers.tasks import SOLUTION_SCRIPT, TerminalTask
+from workers.setup_cache import SetupCacheKey
+from workers.tasks import SETUP_SCRIPT, SOLUTION_SCRIPT, TerminalTask
 
 if TYPE_CHECKING:
     from sandboxes.snapshots import Snapshot
+    from workers.setup_cache import SetupCache
 
 logger = logging.getLogger(__name__)
 
+#: Version of what a reset leaves in the sandbox; part of every setup cache key. Bump it
+#: when reset changes (other dirs, another way of running setup.sh) so old entries miss.
+TERMINAL_ENV_VERSION = "1"
 #: Seconds a bash call may run when the agent gives no timeout.
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 #: Bytes of stdout (and, separately, stderr) an observation keeps per command.
@@ -50,6 +63,8 @@ VERIFIER_LOG_DIR = "/logs/verifier"
 AGENT_LOG_DIR = "/logs/agent"
 TESTS_DIR = "/tests"
 SOLUTION_DIR = "/solution"
+#: Where setup.sh is copied to run; removed afterwards.
+SETUP_DIR = "/setup"
 REWARD_TXT = f"{VERIFIER_LOG_DIR}/reward.txt"
 REWARD_JSON = f"{VERIFIER_LOG_DIR}/reward.json"
 # Bounds the housekeeping commands the env itself runs (mkdir, rm, probes).
@@ -59,6 +74,9 @@ _STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SHELL_OWNED_VARS = frozenset({"_", "PWD", "OLDPWD", "SHLVL"})
 # Bytes of verifier stdout/stderr kept in info.
 _VERIFIER_OUTPUT_BYTES = 16 * 1024
+# Bytes of setup.sh output kept, and how much of it an error quotes.
+_SETUP_OUTPUT_BYTES = 16 * 1024
+_SETUP_ERROR_CHARS = 1000
 
 BASH_TOOL: dict[str, Any] = {
     "type": "function",
@@ -124,12 +142,26 @@ class TerminalEnv:
         image: str,
         labels: Mapping[str, str] | None = None,
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+        setup_cache: SetupCache | None = None,
+        env_version: str = "",
+        counters: collections.Counter[str] | None = None,
     ) -> None:
+        """Prepare an env; nothing starts before :meth:`reset`.
+
+        Args:
+            setup_cache: where resets of tasks with a setup.sh keep and find their post-setup snapshot.
+            env_version: the environment's name@version; part of the setup cache key.
+            counters: incremented as things happen: ``resets``, ``env_steps``, ``setup_runs``,
+                ``setup_cache_hits``, ``setup_cache_misses``.
+        """
         self.task = task
         self.backend = backend
         self.image = image
         self.labels = dict(labels or {})
         self.max_output_bytes = max_output_bytes
+        self.setup_cache = setup_cache
+        self.env_version = env_version
+        self.counters = counters
         self.sandbox: SandboxInfo | None = None
         self.workdir: str | None = None
         """The shell's directory right after reset (the image's WORKDIR); tests and the oracle run there."""
@@ -152,39 +184,42 @@ class TerminalEnv:
         return self._deadline - time.monotonic()
 
     async def reset(self) -> str:
-        """Create the sandbox (dropping any previous one) and return the instruction."""
+        """Start a sandbox ready for the task (dropping any previous one) and return the instruction.
+
+        Runs ``environment/setup.sh`` if the task has one, or restores the setup cache's
+        snapshot of an earlier run of it.
+
+        Raises:
+            SandboxError: the sandbox could not be prepared, or setup.sh failed or timed out.
+        """
         async with self._lock:
             if self._closed:
                 raise SessionClosedError("the environment is closed")
             await self._destroy_sandbox()
-            spec = SandboxSpec(
-                image=self.image,
-                resources=Resources(cpus=self.task.cpus, memory_mb=self.task.memory_mb),
-                network=self.task.network,
-                labels=self.labels,
-            )
-            sandbox = await self.backend.create(spec)
-            self.sandbox = sandbox
-            try:
-                result = await self._housekeeping(
-                    f"mkdir -p {VERIFIER_LOG_DIR} {AGENT_LOG_DIR} && pwd", what="prepare the sandbox"
-                )
-                self.workdir = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "/"
-                self._initial_env = await self._capture_env()
-            except BaseException:
-                await self._destroy_sandbox()
-                raise
+            self._count("resets")
+            if self.task.setup_script is not None and self.setup_cache is not None:
+                await self._start_cached(self.setup_cache)
+            else:
+                await self._start_fresh()
             self.steps = 0
             self._done = False
             self._deadline = time.monotonic() + self.task.agent_timeout_s
             logger.info(
                 "terminal task %s: sandbox %s ready (image %s, workdir %s)",
                 self.task.name,
-                sandbox.id,
+                self._sandbox_id(),
                 self.image,
                 self.workdir,
             )
             return self.task.instruction
+
+    async def setup_key(self) -> SetupCacheKey:
+        """Return the setup cache key of this env's task on its image."""
+        return SetupCacheKey(
+            environment=f"{self.env_version}+terminal.{TERMINAL_ENV_VERSION}",
+            task_hash=self.task.content_hash,
+            image_digest=await self.backend.image_digest(self.image),
+        )
 
     async def step(self, tool: str, arguments: Mapping[str, Any] | None = None) -> StepResult:
         """Apply one tool call; ``submit`` (or running out of time) ends the episode.
@@ -202,10 +237,12 @@ class TerminalEnv:
             if tool == "bash":
                 command, requested = _bash_arguments(arguments)
                 self.steps += 1
+                self._count("env_steps")
                 return await self._bash(command, requested)
             if tool == "submit":
                 _check_no_arguments("submit", arguments)
                 self.steps += 1
+                self._count("env_steps")
                 return await self._finish("[episode ended: submitted]\n", truncated=False)
             names = ", ".join(t["function"]["name"] for t in TOOLS)
             raise ActionError(f"unknown tool {tool!r}; the tools are: {names}")
@@ -218,6 +255,7 @@ class TerminalEnv:
         """
         async with self._lock:
             self._check_open()
+            self._count("env_steps")
             return await self._finish(f"[episode ended: {reason}]\n", truncated=True)
 
     async def run_oracle(self) -> StepResult:
@@ -297,10 +335,11 @@ class TerminalEnv:
         *,
         labels: Mapping[str, str] | None = None,
         max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+        counters: collections.Counter[str] | None = None,
     ) -> TerminalEnv:
         """Wrap a sandbox restored from a snapshot in an env continuing from :meth:`export_state` data."""
         env = cls(task, backend, image=state.get("image") or sandbox.image, labels=labels,
-                  max_output_bytes=max_output_bytes)
+                  max_output_bytes=max_output_bytes, counters=counters)
         env.sandbox = sandbox
         env.workdir = state.get("workdir") or "/"
         env.steps = int(state.get("steps") or 0)
@@ -330,6 +369,108 @@ class TerminalEnv:
     def _sandbox_id(self) -> str:
         assert self.sandbox is not None
         return self.sandbox.id
+
+    def _count(self, name: str) -> None:
+        if self.counters is not None:
+            self.counters[name] += 1
+
+    def _spec(self) -> SandboxSpec:
+        return SandboxSpec(
+            image=self.image,
+            resources=Resources(cpus=self.task.cpus, memory_mb=self.task.memory_mb),
+            network=self.task.network,
+            labels=self.labels,
+        )
+
+    async def _start_fresh(self) -> None:
+        """Create a sandbox from the image, prepare it and run setup.sh if the task has one."""
+        self.sandbox = await self.backend.create(self._spec())
+        try:
+            result = await self._housekeeping(
+                f"mkdir -p {VERIFIER_LOG_DIR} {AGENT_LOG_DIR} && pwd", what="prepare the sandbox"
+            )
+            self.workdir = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "/"
+            self._initial_env = await self._capture_env()
+            if self.task.setup_script is not None:
+                await self._run_setup(self.task.setup_script)
+        except BaseException:
+            await self._destroy_sandbox()
+            raise
+
+    async def _start_cached(self, cache: SetupCache) -> None:
+        """Restore the cached post-setup snapshot, or start fresh and cache a snapshot of the result."""
+        key = await self.setup_key()
+        for attempt in (1, 2):
+            async with cache.claim(key) as entry:
+                if entry is None:
+                    self._count("setup_cache_misses")
+                    await self._start_fresh()
+                    try:
+                        snap = await self.backend.snapshot(
+                            self._sandbox_id(), metadata={"forkyard.kind": "setup", "forkyard.task": self.task.name}
+                        )
+                        await self._cache_put(cache, key, snap)
+                    except BaseException:
+                        await self._destroy_sandbox()
+                        raise
+                    return
+                try:
+                    (self.sandbox,) = await self.backend.restore(entry.snapshot, 1, spec=self._spec())
+                except SandboxNotFoundError:
+                    if attempt == 2:
+                        raise
+                    logger.warning(
+                        "terminal task %s: cached setup snapshot %s is gone; running setup again",
+                        self.task.name,
+                        entry.snapshot.id,
+                    )
+                    await cache.discard(key)
+                    continue
+                self._count("setup_cache_hits")
+                self.workdir = entry.state.get("workdir") or "/"
+                initial = entry.state.get("initial_env")
+                self._initial_env = dict(initial) if initial is not None else None
+                return
+
+    async def _cache_put(self, cache: SetupCache, key: SetupCacheKey, snap: Snapshot) -> None:
+        state = {
+            "image": self.image,
+            "workdir": self.workdir,
+            "initial_env": dict(self._initial_env) if self._initial_env is not None else None,
+        }
+        try:
+            await cache.put(key, snap, state)
+        except BaseException:
+            await asyncio.shield(self.backend.delete_snapshot(snap.id))
+            raise
+
+    async def _run_setup(self, script: bytes) -> None:
+        """Run setup.sh from the workdir with the image's environment.
+
+        Raises:
+            SandboxError: it exited non-zero or ran past ``[environment] setup_timeout_sec``.
+        """
+        sandbox_id = self._sandbox_id()
+        path = f"{SETUP_DIR}/setup.sh"
+        await self._housekeeping(f"rm -rf {SETUP_DIR}", what=f"clear {SETUP_DIR}")
+        await self.backend.write_file(sandbox_id, path, script, mode=0o755)
+        self._count("setup_runs")
+        timeout = self.task.setup_timeout_s
+        result = await self.backend.exec(
+            sandbox_id, self._clean_command(path), timeout_s=timeout, max_output_bytes=_SETUP_OUTPUT_BYTES
+        )
+        tail = (result.stderr.strip() or result.stdout.strip())[-_SETUP_ERROR_CHARS:]
+        if result.timed_out:
+            raise SandboxError(
+                f"task {self.task.name!r}: {SETUP_SCRIPT} ran past its {timeout:g}s limit in sandbox {sandbox_id}; "
+                f"make it faster or raise [environment] setup_timeout_sec. Its output ended: {tail or '(none)'}"
+            )
+        if result.exit_code != 0:
+            raise SandboxError(
+                f"task {self.task.name!r}: {SETUP_SCRIPT} failed with exit code {result.exit_code} "
+                f"in sandbox {sandbox_id}: {tail or '(no output)'}"
+            )
+        await self._housekeeping(f"rm -rf {SETUP_DIR}", what=f"remove {SETUP_DIR}")
 
     async def _destroy_sandbox(self) -> None:
         sandbox, self.sandbox = self.sandbox, None

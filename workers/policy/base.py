@@ -11,6 +11,7 @@ retried, a few times, with a short backoff.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -80,6 +81,18 @@ class Sampling:
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise PolicyError(f"sampling stop must be a list of non-empty strings, got {stop!r}")
         return cls(temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=list(stop), seed=seed)
+
+    def seed_for(self, episode_id: str, messages: Sequence[Mapping[str, Any]]) -> int | None:
+        """Return the seed of one call: derived from the rollout's seed, the episode and its turn.
+
+        The same seed on every call would make every sample of a group, and every branch of
+        a trajectory tree, repeat the same tokens from the same context.
+        """
+        if self.seed is None:
+            return None
+        turn = sum(1 for m in messages if m.get("role") == "assistant")
+        digest = hashlib.sha256(f"{self.seed}:{episode_id}:{turn}".encode()).digest()
+        return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 @dataclass(frozen=True)

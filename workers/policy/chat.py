@@ -87,7 +87,7 @@ class ChatPolicy(HTTPPolicy):
         self._tool_choice_fixed = tool_choice is not None
         self.tool_choice = tool_choice or "auto"
 
-    def _body(self, messages: list[dict], tools: list[dict], sampling: Sampling) -> dict[str, Any]:
+    def _body(self, episode_id: str, messages: list[dict], tools: list[dict], sampling: Sampling) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
@@ -105,8 +105,9 @@ class ChatPolicy(HTTPPolicy):
             body["tool_choice"] = self.tool_choice
         if sampling.stop:
             body["stop"] = list(sampling.stop)
-        if sampling.seed is not None:
-            body["seed"] = sampling.seed
+        seed = sampling.seed_for(episode_id, messages)
+        if seed is not None:
+            body["seed"] = seed
         return body
 
     async def generate(
@@ -127,7 +128,7 @@ class ChatPolicy(HTTPPolicy):
             raise PolicyError("the chat api needs at least one message")
         try:
             server, payload, latency = await self._post(
-                episode_id=episode_id, path=CHAT_PATH, body=self._body(messages, tools, sampling)
+                episode_id=episode_id, path=CHAT_PATH, body=self._body(episode_id, messages, tools, sampling)
             )
         except PolicyError as exc:
             if not (tools and self._refuses_auto_tools(exc)):
@@ -135,7 +136,7 @@ class ChatPolicy(HTTPPolicy):
             logger.warning("policy server %s has no tool parser; asking with tool_choice 'none' from now on", exc.server)
             self.tool_choice = "none"
             server, payload, latency = await self._post(
-                episode_id=episode_id, path=CHAT_PATH, body=self._body(messages, tools, sampling)
+                episode_id=episode_id, path=CHAT_PATH, body=self._body(episode_id, messages, tools, sampling)
             )
         return self._generation(payload, server=server, latency=latency)
 

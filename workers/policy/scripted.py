@@ -4,12 +4,18 @@ The actions come from a rollout's ``policy.actions`` (``[{"tool": ..., "argument
 {...}}, ...]``) or from a task's oracle: one ``bash`` call running the task's
 ``solution/solve.sh`` through a quoted heredoc, then ``submit``. Each action is
 emitted as assistant text in the agent's tool-call format, so the runner parses it
-with the same parser it uses for a model. Each episode replays the list from its
-start.
+with the same parser it uses for a model.
+
+The position in the list is the episode's turn (the assistant messages so far), so an
+episode forked mid-way (a branch of a trajectory tree) continues where its parent was.
+An action may also be ``{"one_of": [action, ...]}``: each episode picks one at random,
+seeded by the sampling seed, the episode id and the turn, so branches of one tree and the
+samples of one group diverge the way sampled policies do while staying reproducible.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -53,22 +59,33 @@ def oracle_actions(task: TerminalTask) -> list[dict[str, Any]]:
     ]
 
 
-def _check_actions(actions: Any) -> list[dict[str, Any]]:
+def _check_action(action: Any, where: str) -> dict[str, Any]:
+    if not isinstance(action, Mapping) or not isinstance(action.get("tool"), str) or not action["tool"]:
+        raise PolicyError(f"scripted action {where} must be an object with a \"tool\" name, got {action!r}")
+    arguments = action.get("arguments") or {}
+    if not isinstance(arguments, Mapping):
+        raise PolicyError(f"scripted action {where} ({action['tool']!r}) has arguments that are not an object")
+    return {"tool": action["tool"], "arguments": dict(arguments)}
+
+
+def _check_actions(actions: Any) -> list[list[dict[str, Any]]]:
+    """Return each turn's alternatives (one for a plain action, several for ``one_of``)."""
     if not isinstance(actions, Sequence) or isinstance(actions, (str, bytes)) or not actions:
         raise PolicyError("the scripted policy needs a non-empty list of actions [{\"tool\", \"arguments\"}, ...]")
     checked = []
     for i, action in enumerate(actions):
-        if not isinstance(action, Mapping) or not isinstance(action.get("tool"), str) or not action["tool"]:
-            raise PolicyError(f"scripted action {i} must be an object with a \"tool\" name, got {action!r}")
-        arguments = action.get("arguments") or {}
-        if not isinstance(arguments, Mapping):
-            raise PolicyError(f"scripted action {i} ({action['tool']!r}) has arguments that are not an object")
-        checked.append({"tool": action["tool"], "arguments": dict(arguments)})
+        if isinstance(action, Mapping) and "one_of" in action:
+            choices = action["one_of"]
+            if not isinstance(choices, Sequence) or isinstance(choices, (str, bytes)) or not choices:
+                raise PolicyError(f"scripted action {i}: one_of must be a non-empty list of actions")
+            checked.append([_check_action(c, f"{i}.one_of[{j}]") for j, c in enumerate(choices)])
+        else:
+            checked.append([_check_action(action, str(i))])
     return checked
 
 
 class ScriptedPolicy:
-    """Replay fixed tool calls, one per turn, from the start for every episode."""
+    """Replay fixed tool calls, one per turn (the episode's turn picks the action)."""
 
     api = "scripted"
 
@@ -89,7 +106,6 @@ class ScriptedPolicy:
         self.actions = _check_actions(actions)
         self.tool_call_format = tool_call_format
         self.tokenizer = tokenizer
-        self._cursor: dict[str, int] = {}
 
     @classmethod
     def from_task(
@@ -113,14 +129,15 @@ class ScriptedPolicy:
             PolicyError: the episode has used every action.
         """
         started = time.monotonic()
-        index = self._cursor.get(episode_id, 0)
+        index = sum(1 for m in messages if m.get("role") == "assistant")
         if index >= len(self.actions):
             raise PolicyError(
                 f"the scripted policy has no action left for episode {episode_id} after {len(self.actions)}",
                 server=SCRIPTED_SERVER,
             )
-        self._cursor[episode_id] = index + 1
-        action = self.actions[index]
+        choices = self.actions[index]
+        action = choices[0] if len(choices) == 1 else random.Random(
+            f"{sampling.seed}:{episode_id}:{index}").choice(choices)
         text = format_tool_call(action["tool"], action["arguments"], self.tool_call_format)
         token_ids = logprobs = None
         if self.tokenizer is not None:
@@ -140,12 +157,10 @@ class ScriptedPolicy:
         )
 
     def release(self, episode_id: str) -> None:
-        """Forget the episode's position in the script; idempotent."""
-        self._cursor.pop(episode_id, None)
+        """Nothing to forget: the position is the episode's turn."""
 
     async def aclose(self) -> None:
         """Nothing to close."""
-        self._cursor.clear()
 
 
 __all__ = ["ORACLE_DELIMITER", "ScriptedPolicy", "oracle_actions"]

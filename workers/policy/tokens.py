@@ -51,8 +51,8 @@ logger = logging.getLogger(__name__)
 GENERATE_PATH = "/inference/v1/generate"
 
 
-def sampling_params(sampling: Sampling) -> dict[str, Any]:
-    """Return vLLM ``SamplingParams`` fields for ``sampling``, asking for the sampled token's logprob."""
+def sampling_params(sampling: Sampling, seed: int | None = None) -> dict[str, Any]:
+    """Return vLLM ``SamplingParams`` fields for ``sampling`` (``seed``: this call's), asking for logprobs."""
     params: dict[str, Any] = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -65,8 +65,8 @@ def sampling_params(sampling: Sampling) -> dict[str, Any]:
     }
     if sampling.stop:
         params["stop"] = list(sampling.stop)
-    if sampling.seed is not None:
-        params["seed"] = sampling.seed
+    if seed is not None:
+        params["seed"] = seed
     return params
 
 
@@ -120,7 +120,7 @@ class TokensPolicy(HTTPPolicy):
         body: dict[str, Any] = {
             "request_id": f"{episode_id}-{self._requests}",
             "token_ids": list(prompt_ids),
-            "sampling_params": sampling_params(sampling),
+            "sampling_params": sampling_params(sampling, sampling.seed_for(episode_id, messages)),
             "output_mode": "text" if text_mode else "tokens",
         }
         if self.model:

@@ -27,6 +27,7 @@ from ._models import (
     EpisodeInfo,
     EpisodeStatus,
     EpisodeStep,
+    EpisodeTree,
     Page,
     Policy,
     Rollout,
@@ -44,6 +45,7 @@ from ._pagination import AsyncPager, Pager
 from ._streaming import AsyncStream, Stream
 from ._training import group_advantages
 from ._version import __version__
+from .trees import render_tree_svg, render_tree_text
 from .resources.rollouts import AsyncEpisodeBatch, EpisodeBatch
 from .resources.sessions import AsyncSession, AsyncSessionOpener, Session
 from .resources.snapshots import AsyncSessionList, SessionList
@@ -66,6 +68,8 @@ __all__ = [
     "Stream",
     "AsyncStream",
     "group_advantages",
+    "render_tree_text",
+    "render_tree_svg",
     # models
     "Environment",
     "Task",
@@ -84,6 +88,7 @@ __all__ = [
     "EpisodeInfo",
     "EpisodeDetail",
     "EpisodeStep",
+    "EpisodeTree",
     "DeadLetter",
     "Page",
     "Pager",

@@ -276,6 +276,14 @@ class Episode(ForkyardModel):
     attempt: int | None = None
     delivery_count: int | None = None
     """How many times this episode has been delivered to this consumer (more than 1: a redelivery)."""
+    parent_episode_id: _IdField | None = None
+    """Branching rollouts: the episode this leaf was forked from."""
+    branch_turn: int | None = None
+    """Branching rollouts: the turn it was forked at."""
+    shared_prefix_len: int = 0
+    """Branching rollouts: leading tokens shared with another leaf of the tree (count them once)."""
+    segments: list[dict[str, Any]] = Field(default_factory=list)
+    """Branching rollouts: ``input_ids[start:end]`` ran on ``episode_id`` and ``shared_by`` leaves share it."""
 
     @property
     def id(self) -> str:
@@ -300,6 +308,10 @@ class EpisodeInfo(ForkyardModel):
     num_turns: int | None = None
     seq: int | None = None
     """Position in the rollout's delivery stream, if the episode entered it."""
+    parent_episode_id: _IdField | None = None
+    branch_turn: int | None = None
+    root_episode_id: _IdField | None = None
+    """Branching rollouts: the trunk of the episode's trajectory tree."""
     created_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -308,6 +320,8 @@ class EpisodeInfo(ForkyardModel):
 class EpisodeStep(ForkyardModel):
     """One turn of an episode: the model's output, the action it took, what it saw back."""
 
+    episode_id: _IdField | None = None
+    """The episode that ran the step (an ancestor, for a branch's inherited prefix)."""
     index: int | None = None
     parent_index: int | None = None
     text: str | None = None
@@ -338,6 +352,31 @@ class EpisodeDetail(EpisodeInfo):
     weight_versions: list[int] = Field(default_factory=list)
     info: dict[str, Any] = Field(default_factory=dict)
     dead_letter_reason: str | None = None
+
+
+class EpisodeTree(ForkyardModel):
+    """A trajectory tree: step nodes ("root" is the state after reset), edges, leaves with rewards."""
+
+    root_episode_id: _IdField
+    rollout_id: _IdField | None = None
+    task_id: _IdField | None = None
+    group_id: _IdField | None = None
+    nodes: list[dict[str, Any]] = Field(default_factory=list)
+    edges: list[dict[str, Any]] = Field(default_factory=list)
+    leaves: list[dict[str, Any]] = Field(default_factory=list)
+    branch_points: list[dict[str, Any]] = Field(default_factory=list)
+
+    def render_text(self) -> str:
+        """Return the tree as indented text, one line per step."""
+        from .trees import render_tree_text
+
+        return render_tree_text(self.model_dump(mode="json"))
+
+    def render_svg(self, *, title: str | None = None) -> str:
+        """Return the tree as an SVG picture."""
+        from .trees import render_tree_svg
+
+        return render_tree_svg(self.model_dump(mode="json"), title=title)
 
 
 class DeadLetter(EpisodeInfo):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._base_client import RequestOptions
-from .._models import Episode, EpisodeDetail, EpisodeInfo, Page
+from .._models import Episode, EpisodeDetail, EpisodeInfo, EpisodeTree, Page
 from .._pagination import AsyncPager, Pager, PageRequest
 from ._resource import Resource, path_id
 
@@ -41,6 +41,10 @@ def _training_request(episode_id: str) -> RequestOptions[Episode]:
     return RequestOptions("GET", f"/v1/episodes/{path_id(episode_id, 'episode_id')}/training", cast_to=Episode)
 
 
+def _tree_request(episode_id: str) -> RequestOptions[EpisodeTree]:
+    return RequestOptions("GET", f"/v1/episodes/{path_id(episode_id, 'episode_id')}/tree", cast_to=EpisodeTree)
+
+
 class Episodes(Resource):
     """List and fetch episodes."""
     _client: Client
@@ -63,6 +67,10 @@ class Episodes(Resource):
     def training(self, episode_id: str) -> Episode:
         """Fetch one episode's training view: input_ids, loss_mask, logprobs, reward, group_id."""
         return self._client._request(_training_request(episode_id))
+
+    def tree(self, episode_id: str) -> EpisodeTree:
+        """Fetch the trajectory tree the episode belongs to (a one-leaf tree outside branching rollouts)."""
+        return self._client._request(_tree_request(episode_id))
 
 
 class AsyncEpisodes(Resource):
@@ -87,3 +95,7 @@ class AsyncEpisodes(Resource):
     async def training(self, episode_id: str) -> Episode:
         """Fetch one episode's training view: input_ids, loss_mask, logprobs, reward, group_id."""
         return await self._client._request(_training_request(episode_id))
+
+    async def tree(self, episode_id: str) -> EpisodeTree:
+        """Fetch the trajectory tree the episode belongs to (a one-leaf tree outside branching rollouts)."""
+        return await self._client._request(_tree_request(episode_id))

@@ -217,6 +217,8 @@ def _create_request(
     group_mode: str | Mapping[str, Any] | None,
     priority: int | None,
     concurrency: int | None,
+    branching: Mapping[str, Any] | None,
+    lazy_fork: bool | None,
     extra_body: Mapping[str, Any] | None,
 ) -> RequestOptions[Rollout]:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -235,6 +237,8 @@ def _create_request(
         "group_mode": group_mode,
         "priority": priority,
         "concurrency": concurrency,
+        "branching": branching,
+        "lazy_fork": lazy_fork,
     }
     body.update({key: (dict(value) if isinstance(value, Mapping) else value)
                  for key, value in optional.items() if value is not None})
@@ -426,6 +430,8 @@ class Rollouts(Resource):
         group_mode: str | Mapping[str, Any] | None = None,
         priority: int | None = None,
         concurrency: int | None = None,
+        branching: Mapping[str, Any] | None = None,
+        lazy_fork: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
     ) -> Rollout:
         """Submit a rollout: group_size episodes per task under a policy; options left None take the gateway's defaults.
@@ -434,12 +440,17 @@ class Rollouts(Resource):
             tasks: task ids or Task objects, or a mapping such as {"environment": "terminal", "names": [...]}.
             policy: {"name", "api": "tokens"|"chat"|"scripted", "base_urls", "model", "sampling", ...}.
             group_mode: "complete", "early", or {"mode": "early", "min_group_size": n}.
+            branching: run each sample as a trajectory tree: {"at_turns": [k, ...], "fanout": m,
+                "max_episodes": n} or {"adaptive": {"budget": b, "min_entropy": h, "fanout": m}}.
+            lazy_fork: False to give every sample its own sandbox even when the task declares
+                deterministic tools.
             extra_body: more fields to send as they are (for gateway options newer than this SDK).
         """
         return self._client._request(_create_request(
             tasks=tasks, group_size=group_size, policy=policy, agent=agent, limits=limits,
             max_staleness=max_staleness, staleness_action=staleness_action, max_attempts=max_attempts,
-            group_mode=group_mode, priority=priority, concurrency=concurrency, extra_body=extra_body,
+            group_mode=group_mode, priority=priority, concurrency=concurrency, branching=branching,
+            lazy_fork=lazy_fork, extra_body=extra_body,
         ))
 
     def get(self, rollout_id: str) -> Rollout:
@@ -554,6 +565,8 @@ class AsyncRollouts(Resource):
         group_mode: str | Mapping[str, Any] | None = None,
         priority: int | None = None,
         concurrency: int | None = None,
+        branching: Mapping[str, Any] | None = None,
+        lazy_fork: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
     ) -> Rollout:
         """Submit a rollout: group_size episodes per task under a policy; options left None take the gateway's defaults.
@@ -562,12 +575,17 @@ class AsyncRollouts(Resource):
             tasks: task ids or Task objects, or a mapping such as {"environment": "terminal", "names": [...]}.
             policy: {"name", "api": "tokens"|"chat"|"scripted", "base_urls", "model", "sampling", ...}.
             group_mode: "complete", "early", or {"mode": "early", "min_group_size": n}.
+            branching: run each sample as a trajectory tree: {"at_turns": [k, ...], "fanout": m,
+                "max_episodes": n} or {"adaptive": {"budget": b, "min_entropy": h, "fanout": m}}.
+            lazy_fork: False to give every sample its own sandbox even when the task declares
+                deterministic tools.
             extra_body: more fields to send as they are (for gateway options newer than this SDK).
         """
         return await self._client._request(_create_request(
             tasks=tasks, group_size=group_size, policy=policy, agent=agent, limits=limits,
             max_staleness=max_staleness, staleness_action=staleness_action, max_attempts=max_attempts,
-            group_mode=group_mode, priority=priority, concurrency=concurrency, extra_body=extra_body,
+            group_mode=group_mode, priority=priority, concurrency=concurrency, branching=branching,
+            lazy_fork=lazy_fork, extra_body=extra_body,
         ))
 
     async def get(self, rollout_id: str) -> Rollout:

@@ -1,0 +1,74 @@
+"""``GET /metrics``: the worker runtime's counters and the setup cache in Prometheus text format.
+
+Open like ``/healthz`` (outside ``/v1``, no API key): scrapers carry none, and the
+numbers say nothing about tasks or episodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse
+
+from gateway.dependencies import Runtime
+
+#: Content type of the Prometheus text exposition format.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+router = APIRouter(tags=["metrics"])
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric family with a single unlabelled sample."""
+
+    name: str
+    kind: str
+    """``counter`` or ``gauge``."""
+    help: str
+    value: int
+
+
+def runtime_metrics(runtime: Any) -> list[Metric]:
+    """Return the metrics of a worker runtime: env counters and setup cache stats (zeros without a cache)."""
+    counters = runtime.counters
+    cache = runtime.setup_cache
+    stats = cache.stats() if cache is not None else {}
+    return [
+        Metric("forkyard_env_resets_total", "counter", "Environment resets.", counters["resets"]),
+        Metric("forkyard_env_steps_total", "counter", "Environment steps executed (tool calls and truncations).",
+               counters["env_steps"]),
+        Metric("forkyard_env_setup_runs_total", "counter", "Runs of a task's environment/setup.sh.",
+               counters["setup_runs"]),
+        Metric("forkyard_setup_cache_hits_total", "counter", "Resets restored from the setup cache.",
+               stats.get("hits", 0)),
+        Metric("forkyard_setup_cache_misses_total", "counter", "Resets that ran setup and filled the setup cache.",
+               stats.get("misses", 0)),
+        Metric("forkyard_setup_cache_evictions_total", "counter", "Setup cache entries evicted to stay under the cap.",
+               stats.get("evictions", 0)),
+        Metric("forkyard_setup_cache_entries", "gauge", "Entries in the setup cache.", stats.get("entries", 0)),
+        Metric("forkyard_setup_cache_bytes", "gauge", "Bytes the setup cache's snapshots hold.",
+               stats.get("bytes", 0)),
+    ]
+
+
+def render(metrics: Iterable[Metric]) -> str:
+    """Return metrics in the Prometheus text exposition format (version 0.0.4)."""
+    lines = []
+    for metric in metrics:
+        help_text = metric.help.replace("\\", "\\\\").replace("\n", "\\n")
+        lines += [
+            f"# HELP {metric.name} {help_text}",
+            f"# TYPE {metric.name} {metric.kind}",
+            f"{metric.name} {metric.value}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(runtime: Runtime) -> PlainTextResponse:
+    """Answer this node's metrics in the Prometheus text format."""
+    return PlainTextResponse(render(runtime_metrics(runtime)), media_type=CONTENT_TYPE)
