@@ -15,14 +15,18 @@ pid 1 of its pid namespace, so killing it takes every process of the sandbox wit
 it. Where the image has ``setpriv`` the shell also loses the capabilities Docker
 drops by default plus ``mknod`` and ``sys_chroot`` (chroot would undo ``--root``).
 
-Nothing slow sits on the hot paths: create is a handful of syscalls, two execs
-(``sh`` then ``unshare``) and one round trip through the shell; exec is one write to
-the shell and the read of its output; files are read and written host-side through
-the overlay with ``openat2(RESOLVE_IN_ROOT)``.
+Nothing slow sits on the hot paths: create is a handful of syscalls (in a worker
+thread, so that many creates at once keep both the event loop and the kernel busy),
+the execs of ``unshare``, ``setpriv`` and ``bash``, and one round trip through the
+shell; a restored branch's shell starts with the snapshot's exports and goes to its
+cwd in that same round trip. Exec is one write to the shell and the read of its
+output; files are read and written host-side through the overlay with
+``openat2(RESOLVE_IN_ROOT)``.
 """
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import ctypes
 import dataclasses
@@ -35,16 +39,14 @@ import logging
 import os
 import re
 import secrets
-import shlex
 import shutil
 import signal
 import socket
 import stat
 import struct
 import subprocess
-import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +56,7 @@ from sandboxes.base import (
     LABEL_NODE,
     ExecResult,
     ImageConfig,
+    Resources,
     SandboxInfo,
     SandboxSpec,
     SandboxState,
@@ -87,13 +90,13 @@ from sandboxes.shell import (
     STDERR,
     STDOUT,
     ShellChannel,
+    ansi_c_quote,
 )
 from sandboxes.snapshots import (
     CAPTURE_COMMAND,
     CAPTURE_MAX_BYTES,
     Snapshot,
     parse_exported,
-    restore_command,
     snapshot_id,
     snapshot_metadata,
     squash_layers,
@@ -128,6 +131,8 @@ INLINE_IO_BYTES = 1 << 20
 _NAME_RE = re.compile(r"[a-z0-9]+(?:[._-]+[a-z0-9]+)*(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*")
 _TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 _ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+#: Variables naming a locale: every program reading them loads locale files.
+_LOCALE_VAR = re.compile(r"LANG|LC_[A-Z]+")
 
 
 def is_root() -> bool:
@@ -257,103 +262,228 @@ def _umount(path: Path) -> None:
             raise SandboxError(f"cannot unmount {path}: {os.strerror(err)}")
 
 
-def _setup_namespaces(pid: int, hostname: str, loopback: bool) -> None:
-    """Name the sandbox's UTS namespace and bring its loopback up, from a throwaway thread.
+def _in_cgroup(cgroup: SandboxCgroup, pid: int) -> bool:
+    """Tell whether process ``pid`` is in every group of ``cgroup``."""
+    member = str(pid)
+    try:
+        return all(member in procs.read_text().split() for procs in cgroup.procs_files)
+    except OSError:
+        return False
 
-    setns(2) on a thread only moves that thread; using a fresh one means a failed
-    return trip can never leave the event loop's thread inside a sandbox.
+
+def _in_fresh_thread(fn: Callable[[], object]) -> asyncio.Future:
+    """Run ``fn`` in a new thread and return a future of its result; the event loop goes on meanwhile.
+
+    ``_thread`` starts it without waiting for it to run (``threading.Thread.start`` waits,
+    which with many sandboxes starting at once stalls the event loop for milliseconds).
     """
-    errors: list[BaseException] = []
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
 
-    def work() -> None:
-        fds: list[int] = []
+    def settle(result: object, error: BaseException | None) -> None:
+        if done.done():  # cancelled: nobody waits for the result
+            return
+        if error is None:
+            done.set_result(result)
+        else:
+            done.set_exception(error)
+
+    def target() -> None:
+        result, error = None, None
         try:
-            own_uts = os.open("/proc/thread-self/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
-            fds.append(own_uts)
-            uts = os.open(f"/proc/{pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
-            fds.append(uts)
-            name = hostname.encode()
-            if _libc.setns(uts, CLONE_NEWUTS) != 0:
-                raise OSError(ctypes.get_errno(), "setns(uts)")
-            try:
-                if _libc.sethostname(name, len(name)) != 0:
-                    raise OSError(ctypes.get_errno(), "sethostname")
-            finally:
-                if _libc.setns(own_uts, CLONE_NEWUTS) != 0:
-                    raise OSError(ctypes.get_errno(), "setns back (uts)")
-            if loopback:
-                own_net = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-                fds.append(own_net)
-                net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-                fds.append(net)
-                if _libc.setns(net, CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), "setns(net)")
-                try:
-                    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # lives in the sandbox's netns
-                finally:
-                    if _libc.setns(own_net, CLONE_NEWNET) != 0:
-                        raise OSError(ctypes.get_errno(), "setns back (net)")
-                with sock:
-                    req = struct.pack("16sh22x", b"lo", 0)
-                    flags = struct.unpack("16sh", fcntl.ioctl(sock, SIOCGIFFLAGS, req)[:18])[1]
-                    fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", flags | IFF_UP))
+            result = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            errors.append(exc)
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    _thread.start_new_thread(target, ())
+    return done
+
+
+def _enter_cgroup(cgroup: SandboxCgroup, pid: int, limits: Resources | None) -> None:
+    """Create ``cgroup`` with ``limits`` (unless None: it exists) and move ``pid`` into it.
+
+    A failed move is left to the check made once the shell has started.
+    """
+    if limits is not None:
+        cgroup.create(limits)
+    try:
+        cgroup.add(pid)
+    except OSError as exc:
+        logger.debug("process %s could not join cgroup %s: %s", pid, cgroup.name, exc)
+
+
+def _setup_namespaces(pid: int, hostname: str, loopback: bool) -> None:
+    """Name the sandbox's UTS namespace and bring its loopback up; call it from a throwaway thread.
+
+    setns(2) moves only the calling thread, in and out again.
+    """
+    fds: list[int] = []
+    try:
+        own_uts = os.open("/proc/thread-self/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+        fds.append(own_uts)
+        uts = os.open(f"/proc/{pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+        fds.append(uts)
+        name = hostname.encode()
+        if _libc.setns(uts, CLONE_NEWUTS) != 0:
+            raise OSError(ctypes.get_errno(), "setns(uts)")
+        try:
+            if _libc.sethostname(name, len(name)) != 0:
+                raise OSError(ctypes.get_errno(), "sethostname")
         finally:
-            for fd in fds:
-                os.close(fd)
+            if _libc.setns(own_uts, CLONE_NEWUTS) != 0:
+                raise OSError(ctypes.get_errno(), "setns back (uts)")
+        if loopback:
+            own_net = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            fds.append(own_net)
+            net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            fds.append(net)
+            if _libc.setns(net, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns(net)")
+            try:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # lives in the sandbox's netns
+            finally:
+                if _libc.setns(own_net, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), "setns back (net)")
+            with sock:
+                req = struct.pack("16sh22x", b"lo", 0)
+                flags = struct.unpack("16sh", fcntl.ioctl(sock, SIOCGIFFLAGS, req)[:18])[1]
+                fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", flags | IFF_UP))
+    finally:
+        for fd in fds:
+            os.close(fd)
 
-    thread = threading.Thread(target=work, name="forkyard-setns", daemon=True)
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
 
+class _ShellProcess:
+    """The shell's process (unshare) and its pipes: output feeds the channel, the exit resolves ``exited``.
 
-class _ShellProtocol(asyncio.SubprocessProtocol):
-    """Feed the shell's stdout/stderr straight into its channel (no reader tasks needed)."""
+    Not asyncio's subprocess transport: that forks in the event loop's thread (a vfork
+    holds the caller until the child has exec'd, a millisecond or more while many
+    sandboxes start) and starts a thread per process to wait for it. Here the process
+    is spawned in a thread of its own (not queued behind other work) and its exit is
+    watched with a pidfd by the loop.
+    """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.transport: asyncio.SubprocessTransport | None = None
+    def __init__(self, loop: asyncio.AbstractEventLoop, proc: subprocess.Popen) -> None:
+        self._loop = loop
+        self._proc = proc
+        self.pid = proc.pid
         self.channel = ShellChannel(self.write)
         self.exited: asyncio.Future[int] = loop.create_future()
-        self._open = {0, 1, 2}
+        self._stdin: asyncio.WriteTransport | None = None
+        self._outputs: list[asyncio.BaseTransport] = []
+        self._open = {STDOUT, STDERR}
+        self._pidfd: int | None = None
+        self._closed = False
+
+    @classmethod
+    async def spawn(cls, argv: list[str], env: Mapping[str, str]) -> _ShellProcess:
+        """Start ``argv`` in a new session with piped stdio, from a thread of its own."""
+        popen = functools.partial(
+            subprocess.Popen, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=env, cwd="/", start_new_session=True,
+        )  # fmt: skip
+        spawning = _in_fresh_thread(popen)
+        try:
+            proc = await asyncio.shield(spawning)
+        except asyncio.CancelledError:
+            await asyncio.wait([spawning])  # the process may be there already: do not leave it behind
+            if spawning.exception() is None:
+                spawning.result().kill()
+                await asyncio.to_thread(spawning.result().communicate)
+            raise
+        process = cls(asyncio.get_running_loop(), proc)
+        try:
+            await process._connect()
+        except BaseException:
+            process.close()
+            raise
+        return process
+
+    async def _connect(self) -> None:
+        self._stdin, _ = await self._loop.connect_write_pipe(asyncio.BaseProtocol, self._proc.stdin)
+        for stream, pipe in ((STDOUT, self._proc.stdout), (STDERR, self._proc.stderr)):
+            transport, _ = await self._loop.connect_read_pipe(functools.partial(_Output, self, stream), pipe)
+            self._outputs.append(transport)
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except OSError:  # no pidfds before Linux 5.3: a thread waits instead
+            _thread.start_new_thread(self._wait_in_thread, ())
+        else:
+            self._loop.add_reader(self._pidfd, self._reap)
 
     async def write(self, data: bytes) -> None:
-        pipe = self.transport.get_pipe_transport(0) if self.transport is not None else None
-        if pipe is None or pipe.is_closing():
+        """Write ``data`` to the shell's stdin."""
+        if self._stdin is None or self._stdin.is_closing():
             raise ConnectionError("the sandbox shell's stdin is closed")
-        pipe.write(data)
+        self._stdin.write(data)
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+    def output_closed(self, stream: int) -> None:
+        """Note that ``stream`` reached its end; once both have, the channel has everything."""
+        self._open.discard(stream)
+        if not self._open:
+            self.channel.feed_eof()
 
-    def pipe_data_received(self, fd: int, data: bytes) -> None:
-        self.channel.feed(STDOUT if fd == 1 else STDERR, data)
+    def _reap(self) -> None:
+        returncode = self._proc.poll()
+        if returncode is None:
+            return
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._pidfd = None
+        self._exited(returncode)
 
-    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
-        if fd in self._open:
-            self._open.discard(fd)
-            if not self._open - {0}:  # stdout and stderr both closed: everything was delivered
-                self.channel.feed_eof()
+    def _wait_in_thread(self) -> None:
+        returncode = self._proc.wait()
+        try:
+            self._loop.call_soon_threadsafe(self._exited, returncode)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
 
-    def process_exited(self) -> None:
+    def _exited(self, returncode: int) -> None:
         if not self.exited.done():
-            self.exited.set_result(self.transport.get_returncode())
+            self.exited.set_result(returncode)
         # The pipes close with the sandbox's last process; do not wait for them forever.
-        asyncio.get_running_loop().call_later(1.0, self.channel.feed_eof)
+        self._loop.call_later(1.0, self.channel.feed_eof)
+
+    def close(self) -> None:
+        """Close the pipes and kill the process if it still runs (``--kill-child`` takes the bash)."""
+        if self._closed:
+            return
+        self._closed = True
+        for transport in (self._stdin, *self._outputs):
+            if transport is not None:
+                transport.close()
+        self._proc.kill()  # Popen knows when it has reaped it and then sends nothing
+
+
+class _Output(asyncio.Protocol):
+    """Feed one output pipe of the shell straight into its channel (no reader tasks needed)."""
+
+    def __init__(self, process: _ShellProcess, stream: int) -> None:
+        self.process = process
+        self.stream = stream
+
+    def data_received(self, data: bytes) -> None:
+        self.process.channel.feed(self.stream, data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.process.output_closed(self.stream)
 
 
 @dataclass
 class _Shell:
-    protocol: _ShellProtocol
+    process: _ShellProcess
     pid: int  # unshare, our child
     init_pid: int  # the bash, pid 1 of the sandbox's pid namespace
     init_start: int | None
 
     @property
     def channel(self) -> ShellChannel:
-        return self.protocol.channel
+        return self.process.channel
 
 
 @dataclass
@@ -362,6 +492,15 @@ class _User:
     gid: int
     name: str | None
     home: str
+
+
+@dataclass(frozen=True)
+class _Restore:
+    """What a restored sandbox starts from instead of its image: a snapshot's layers and shell state."""
+
+    layers: list[str]
+    config: ImageConfig
+    cwd: str
 
 
 @dataclass
@@ -656,11 +795,11 @@ class LocalBackend:
             workdir=snapshot.workdir,
             labels=dict(spec.labels) if spec else {},
         )
-        source = (list(snapshot.layers), snapshot.config)
-        command = restore_command(env, snapshot.cwd)
-
+        # Each shell starts with the snapshot's exports as its environment and cds to its
+        # cwd in the command that checks it is up: no extra round trip per branch.
+        source = _Restore(layers=list(snapshot.layers), config=snapshot.config, cwd=snapshot.cwd)
         return await start_branches(
-            self, snapshot, n, create=lambda: create_cancel_safe(self._create(eff, source), self.destroy), command=command, timeout_s=READY_TIMEOUT_S
+            self, snapshot, n, create=lambda: create_cancel_safe(self._create(eff, source), self.destroy)
         )
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
@@ -700,8 +839,10 @@ class LocalBackend:
         except (OSError, ValueError):
             return None
 
-    def _write_meta(self, sb: _Sandbox) -> None:
-        shell = sb.shell
+    def _write_meta(self, sb: _Sandbox, shell: _Shell | None = None, state: SandboxState | None = None) -> None:
+        """Record the sandbox in meta.json, with ``shell`` and ``state`` in place of its own when given."""
+        shell = shell or sb.shell
+        state = state or sb.state
         _write_json(
             sb.dir / "meta.json",
             {
@@ -711,7 +852,7 @@ class LocalBackend:
                 "layers": sb.layers,
                 "labels": sb.labels,
                 "created_at": sb.created_at,
-                "state": sb.state.value,
+                "state": state.value,
                 "pid": shell.pid if shell else None,
                 "pid_start": start_ticks(shell.pid) if shell else None,
                 "init_pid": shell.init_pid if shell else None,
@@ -728,8 +869,8 @@ class LocalBackend:
         """Mount an overlay of ``spec.image``, start its shell in new namespaces and a cgroup."""
         return await create_cancel_safe(self._create(spec), self.destroy)
 
-    async def _create(self, spec: SandboxSpec, source: tuple[list[str], ImageConfig] | None = None) -> SandboxInfo:
-        """Create a sandbox of ``spec``; ``source`` (layers, config) replaces the image's (restore)."""
+    async def _create(self, spec: SandboxSpec, source: _Restore | None = None) -> SandboxInfo:
+        """Create a sandbox of ``spec``, or (``source``) one restored from a snapshot."""
         self._check_open()
         res = spec.resources
         if res.cpus <= 0 or res.memory_mb <= 0 or res.pids <= 0:
@@ -739,52 +880,81 @@ class LocalBackend:
             layers = list(manifest["layers"])
             config = _config_from_json(manifest.get("config") or {})
         else:
-            layers, config = list(source[0]), source[1]
-        while True:
+            layers, config = list(source.layers), source.config
+        for _ in range(8):  # ids are 48 random bits: a second try is already rare
             sid = secrets.token_hex(6)
-            sdir = self._sandboxes_dir / sid
+            # The blocking part (directories, the overlay mount, meta.json) runs in a worker
+            # thread: on this filesystem a mkdir can take half a millisecond, and while forks
+            # of many branches run, the event loop would otherwise be the bottleneck.
+            making = asyncio.ensure_future(asyncio.to_thread(self._make_sandbox, sid, spec, layers, config, source))
+            sb: _Sandbox | None = None
             try:
-                sdir.mkdir()
-                break
-            except FileExistsError:
-                continue
+                sb = await asyncio.shield(making)
+                if sb is None:
+                    continue  # the id is taken
+                self._sandboxes[sid] = sb
+                ready = "true" if source is None else f"cd -- {ansi_c_quote(source.cwd)}"
+                cwd = sb.workdir if source is None else "/"
+                sb.shell = await self._start_shell(sb, cwd, ready=ready, limits=spec.resources)
+                sb.state = SandboxState.READY
+            except BaseException:
+                if not making.done():  # cancelled while the thread works: let it finish first
+                    await asyncio.wait([making])
+                if sb is None and not making.cancelled() and making.exception() is None:
+                    sb = making.result()
+                    if sb is None:  # the id was taken: nothing here is ours
+                        raise
+                self._sandboxes.pop(sid, None)
+                try:
+                    await asyncio.shield(self._teardown(sid, sb))
+                except Exception:  # the original error matters more
+                    logger.exception("cleanup of half-created sandbox %s failed", sid)
+                raise
+            logger.debug("sandbox %s ready (image %s)", sid, spec.image)
+            return self._info(sb)
+        raise SandboxError(f"no free sandbox id under {self._sandboxes_dir} after 8 tries")
+
+    def _make_sandbox(
+        self, sid: str, spec: SandboxSpec, layers: list[str], config: ImageConfig, source: _Restore | None
+    ) -> _Sandbox | None:
+        """Make sandbox ``sid``'s directories, overlay and meta.json (blocking); None if ``sid`` is taken.
+
+        A restored sandbox's rootfs is left as the snapshot has it: its layers already
+        hold what :meth:`_prepare_rootfs` did for the sandbox it was taken from.
+        """
+        sdir = self._sandboxes_dir / sid
+        try:
+            sdir.mkdir()
+        except FileExistsError:
+            return None
         for sub in ("upper", "work", "merged"):
             (sdir / sub).mkdir()
-        labels = {**spec.labels, LABEL_NODE: self.node}
         workdir = normalize_sandbox_path(spec.workdir or config.workdir or "/")
-        sb: _Sandbox | None = None
         rootfd = -1
         try:
             self._volatile = _mount_overlay(layers, sdir / "upper", sdir / "work", sdir / "merged", self._volatile)
             rootfd = os.open(sdir / "merged", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-            self._prepare_rootfs(rootfd, workdir)
+            if source is None:
+                self._prepare_rootfs(rootfd, workdir)
             user = self._resolve_user(rootfd, config.user)
-            env = {"PATH": DEFAULT_PATH, "HOME": user.home if user else "/root", "LANG": "C.UTF-8", "TERM": "dumb"}
-            env.update(config.env)
-            env.update(spec.env)
+            if source is None:
+                env = {"PATH": DEFAULT_PATH, "HOME": user.home if user else "/root", "LANG": "C.UTF-8", "TERM": "dumb"}
+                env.update(config.env)
+                env.update(spec.env)
+            else:  # exactly the snapshot's exports (and the caller's), no defaults
+                env = dict(spec.env)
             cgroup = SandboxCgroup(sid, root=self.cgroup_root)
             sb = _Sandbox(
                 id=sid, dir=sdir, image=spec.image, layers=layers, spec=spec, config=config, workdir=workdir,
                 env=env, user=user, setpriv=self._find_setpriv(rootfd), cgroup=cgroup, rootfd=rootfd,
-                created_at=time.time(), labels=labels,
+                created_at=time.time(), labels={**spec.labels, LABEL_NODE: self.node},
             )  # fmt: skip
-            self._sandboxes[sid] = sb
-            self._write_meta(sb)
-            cgroup.create(res)
-            sb.shell = await self._start_shell(sb, workdir)
-            sb.state = SandboxState.READY
             self._write_meta(sb)
         except BaseException:
-            if sb is None and rootfd >= 0:
+            if rootfd >= 0:
                 os.close(rootfd)
-            self._sandboxes.pop(sid, None)
-            try:
-                await asyncio.shield(self._teardown(sid, sb))
-            except Exception:  # the original error matters more
-                logger.exception("cleanup of half-created sandbox %s failed", sid)
             raise
-        logger.debug("sandbox %s ready (image %s)", sid, spec.image)
-        return self._info(sb)
+        return sb
 
     def _prepare_rootfs(self, rootfd: int, workdir: str) -> None:
         """Make sure /dev has the basic device nodes, /proc exists and the workdir exists."""
@@ -880,33 +1050,73 @@ class LocalBackend:
                 argv += [f"--setgid={sb.user.gid}", f"--setuid={sb.user.uid}"]
         return argv + ["/bin/bash", "--noprofile", "--norc"]
 
-    async def _start_shell(self, sb: _Sandbox, cwd: str) -> _Shell:
-        """Start the sandbox's bash in its overlay at ``cwd`` and wait until it answers."""
-        loop = asyncio.get_running_loop()
-        # The sh puts itself into the cgroups before becoming unshare, so every process
-        # of the sandbox is born inside them.
-        script = "".join(f"echo $$ > {shlex.quote(str(p))} && " for p in sb.cgroup.procs_files)
-        script += "exec " + shlex.join(self._shell_argv(sb, cwd))
-        transport, protocol = await loop.subprocess_exec(
-            lambda: _ShellProtocol(loop), "/bin/sh", "-c", script,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=sb.env, cwd="/", start_new_session=True,
-        )  # fmt: skip
-        shell = _Shell(protocol=protocol, pid=transport.get_pid(), init_pid=0, init_start=None)
+    async def _start_shell(
+        self,
+        sb: _Sandbox,
+        cwd: str,
+        *,
+        ready: str = "true",
+        state: SandboxState = SandboxState.READY,
+        limits: Resources | None = None,
+    ) -> _Shell:
+        """Start the sandbox's bash in its overlay at ``cwd``, wait until it answers ``ready`` with 0.
+
+        Meanwhile the sandbox's cgroup is created with ``limits`` (None: it exists already).
+        Then the shell joins the cgroup, gets its hostname and loopback, and is recorded in
+        meta.json with the sandbox in ``state``.
+        """
+        # unshare and setpriv would load the locale too (a few hundred microseconds each);
+        # only the bash needs it, so it exports the locale variables in its first command.
+        env = {k: v for k, v in sb.env.items() if not _LOCALE_VAR.fullmatch(k)}
+        ready = "".join(f"export {k}={ansi_c_quote(v)}; " for k, v in sb.env.items() if k not in env) + ready
+        process = await _ShellProcess.spawn(self._shell_argv(sb, cwd), env)
+        shell = _Shell(process=process, pid=process.pid, init_pid=0, init_start=None)
+        # Joining a cgroup waits for an RCU grace period (milliseconds) unless a process joined
+        # one just before, so the cgroup is made and unshare joins it from a thread while the
+        # shell starts.
+        joining = _in_fresh_thread(functools.partial(_enter_cgroup, sb.cgroup, shell.pid, limits))
+        finishing: asyncio.Future | None = None
         try:
-            ready = await protocol.channel.run("true", timeout_s=READY_TIMEOUT_S, grace_s=0.1)
-            if ready.exit_code != 0:
-                detail = ready.stderr.strip().splitlines()[-1:] or [f"exit code {ready.exit_code}"]
+            answer = await process.channel.run(ready, timeout_s=READY_TIMEOUT_S, grace_s=0.1)
+            if answer.exit_code != 0:
+                detail = answer.stderr.strip().splitlines()[-1:] or [f"exit code {answer.exit_code}"]
                 raise SandboxError(f"the shell of sandbox {sb.id} did not start: {detail[0]}")
             init_pid = _child_pid(shell.pid)
             if init_pid is None:
                 raise SandboxError(f"the shell of sandbox {sb.id} vanished while starting")
             shell.init_pid, shell.init_start = init_pid, start_ticks(init_pid)
-            _setup_namespaces(init_pid, sb.id, loopback=not sb.spec.network)
+            await asyncio.shield(joining)
+            # Two threads at once: one puts the shell into the cgroups and its namespaces (a
+            # fresh one, as setns(2) moves only the calling thread: a failed return trip can
+            # never leave the event loop's thread inside a sandbox), one writes meta.json.
+            finishing = asyncio.gather(
+                _in_fresh_thread(functools.partial(self._settle_shell, sb, shell)),
+                _in_fresh_thread(functools.partial(self._write_meta, sb, shell, state)),
+                return_exceptions=True,
+            )
+            for outcome in await asyncio.shield(finishing):
+                if isinstance(outcome, BaseException):
+                    raise outcome
         except BaseException:
+            for work in (joining, finishing):
+                if work is not None and not work.done():  # let the threads finish before cleaning up
+                    await asyncio.wait([work])
+            joining.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved, awaited or not
             await self._stop_shell(shell)
             raise
         return shell
+
+    @staticmethod
+    def _settle_shell(sb: _Sandbox, shell: _Shell) -> None:
+        """Put a started shell into the cgroups, name its host and bring its loopback up (blocking)."""
+        # Unshare may have forked the bash before it joined. The bash has run only builtins
+        # so far, so once it is inside, every process of the sandbox is.
+        try:
+            if not _in_cgroup(sb.cgroup, shell.init_pid):
+                sb.cgroup.add(shell.init_pid)
+        except OSError as exc:
+            raise SandboxError(f"cannot put the shell of sandbox {sb.id} into its cgroup: {exc}") from exc
+        _setup_namespaces(shell.init_pid, sb.id, loopback=not sb.spec.network)
 
     async def _stop_shell(self, shell: _Shell) -> None:
         """Kill the shell (and with it its pid namespace) and reap unshare."""
@@ -915,11 +1125,9 @@ class LocalBackend:
                 os.kill(shell.init_pid, 9)
             except ProcessLookupError:
                 pass
-        transport = shell.protocol.transport
-        if transport is not None:
-            transport.close()  # kills unshare if still running; --kill-child takes the bash
+        shell.process.close()  # kills unshare if still running; --kill-child takes the bash
         try:
-            await asyncio.wait_for(asyncio.shield(shell.protocol.exited), 5.0)
+            await asyncio.wait_for(asyncio.shield(shell.process.exited), 5.0)
         except TimeoutError:
             logger.warning("unshare process %s did not exit after SIGKILL", shell.pid)
 
@@ -976,7 +1184,7 @@ class LocalBackend:
             why = "the shell did not come back after the timeout"
         else:
             try:
-                rc = await asyncio.wait_for(asyncio.shield(shell.protocol.exited), 2.0)
+                rc = await asyncio.wait_for(asyncio.shield(shell.process.exited), 2.0)
             except TimeoutError:
                 rc = None
             if rc is not None and code == SHELL_DIED_EXIT_CODE:
@@ -1006,16 +1214,15 @@ class LocalBackend:
                 break
             except OSError:
                 continue
+        state = SandboxState.READY if sb.state is SandboxState.FAILED else sb.state
         try:
-            sb.shell = await self._start_shell(sb, start)
+            sb.shell = await self._start_shell(sb, start, state=state)
         except SandboxError as exc:
             sb.state = SandboxState.FAILED
             raise SandboxCrashedError(f"the shell of sandbox {sb.id} died and could not be restarted: {exc}") from exc
-        if sb.state is SandboxState.FAILED:
-            sb.state = SandboxState.READY
+        sb.state = state
         # Prime the channel's cwd so the next result reports where the new shell is.
         sb.shell.channel.cwd = start
-        self._write_meta(sb)
         logger.info("sandbox %s: restarted its shell in %s", sb.id, start)
 
     # ------------------------------------------------------------------ files
@@ -1060,7 +1267,7 @@ class LocalBackend:
 
     def _info(self, sb: _Sandbox) -> SandboxInfo:
         state = sb.state
-        if state is SandboxState.READY and (sb.shell is None or sb.shell.protocol.exited.done()):
+        if state is SandboxState.READY and (sb.shell is None or sb.shell.process.exited.done()):
             state = SandboxState.FAILED  # died between commands; the next exec restarts it
         return SandboxInfo(
             id=sb.id, backend=self.name, node=self.node, state=state, image=sb.image,
@@ -1162,9 +1369,9 @@ class LocalBackend:
         self._closed = True
         waits = []
         for sb in self._sandboxes.values():
-            if sb.shell is not None and sb.shell.protocol.transport is not None:
-                sb.shell.protocol.transport.close()
-                waits.append(asyncio.shield(sb.shell.protocol.exited))
+            if sb.shell is not None:
+                sb.shell.process.close()
+                waits.append(asyncio.shield(sb.shell.process.exited))
             if sb.rootfd >= 0:
                 os.close(sb.rootfd)
                 sb.rootfd = -1

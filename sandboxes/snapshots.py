@@ -322,17 +322,20 @@ async def start_branches(
     n: int,
     *,
     create: Callable[[], Awaitable[SandboxInfo]],
-    command: str,
-    timeout_s: float,
+    command: str | None = None,
+    timeout_s: float = 30.0,
 ) -> list[SandboxInfo]:
     """Start ``n`` sandboxes with ``create`` and run the shell-state ``command`` in each; all or nothing.
 
-    A branch whose shell state cannot be restored is destroyed, and so are the others
-    made so far, before the first error is raised.
+    Without ``command``, ``create`` itself restores the shell state (the local backend
+    starts its shells in it). A branch whose shell state cannot be restored is
+    destroyed, and so are the others made so far, before the first error is raised.
     """
 
     async def one() -> SandboxInfo:
         info = await create()
+        if command is None:
+            return info
         try:
             r = await backend.exec(info.id, command, timeout_s=timeout_s)
             if r.exit_code != 0:

@@ -1,0 +1,81 @@
+"""How the ``local`` backend starts a restored branch: its shell starts in the snapshot's state."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from sandboxes.base import Resources, SandboxSpec
+from sandboxes.cgroups import SandboxCgroup
+from sandboxes.errors import SandboxError
+from sandboxes.local import LocalBackend
+from sandboxes.snapshots import SHELL_OWNED_VARS
+from tests.sandboxes.conftest import BASE_CONFIG, BASE_REF, local_leftovers
+
+pytestmark = pytest.mark.local
+
+
+@pytest.fixture
+async def lb(backend_root, base_rootfs, node_name):
+    """A LocalBackend with the base image; afterwards its sandboxes and snapshots are gone, checked by id."""
+    backend = LocalBackend(backend_root, f"{node_name}-{uuid.uuid4().hex[:6]}")
+    await backend.import_rootfs(str(base_rootfs), BASE_REF, BASE_CONFIG)
+    try:
+        yield backend
+    finally:
+        ids = [i.id for i in await backend.list()]
+        for sid in ids:
+            await backend.destroy(sid)
+        for snap in await backend.list_snapshots():
+            await backend.delete_snapshot(snap.id)
+        await backend.aclose()
+        assert local_leftovers(backend_root, ids) == []
+
+
+async def _exports(backend: LocalBackend, sandbox_id: str) -> set[str]:
+    r = await backend.exec(sandbox_id, "compgen -e")
+    return set(r.stdout.split()) - SHELL_OWNED_VARS
+
+
+async def test_branch_exports_exactly_the_snapshot_variables(lb):
+    info = await lb.create(SandboxSpec(image=BASE_REF))
+    setup = (
+        "mkdir -p /srv/real && ln -s /srv/real /srv/link && cd /srv/link && "
+        "unset LANG TERM && export LC_ALL=C.UTF-8 MULTI=$'a\\nb'"
+    )
+    assert (await lb.exec(info.id, setup)).exit_code == 0
+    snap = await lb.snapshot(info.id)
+    original = await _exports(lb, info.id)
+    assert "LANG" not in original and {"LC_ALL", "MULTI"} <= original
+
+    branches = await lb.restore(snap, 2, spec=SandboxSpec(image=BASE_REF, env={"EXTRA": "1"}))
+    for branch in branches:
+        assert await _exports(lb, branch.id) == original | {"EXTRA"}
+        r = await lb.exec(branch.id, 'pwd; printf "%s|%s|%s" "${LANG-unset}" "$LC_ALL" "$MULTI"')
+        assert (r.stdout, r.cwd) == ("/srv/link\nunset|C.UTF-8|a\nb", "/srv/link")  # the logical cwd
+
+
+async def test_branch_cgroup_has_the_limits_and_holds_the_shell_and_its_children(lb):
+    info = await lb.create(SandboxSpec(image=BASE_REF))
+    snap = await lb.snapshot(info.id)
+    branches = await lb.restore(snap, 3, spec=SandboxSpec(image=BASE_REF, resources=Resources(pids=77)))
+    for branch in branches:
+        limits = [p / "pids.max" for p in SandboxCgroup(branch.id).paths if (p / "pids.max").exists()]
+        assert limits and all(f.read_text().strip() == "77" for f in limits)
+        r = await lb.exec(branch.id, "sleep 30 & cat /proc/1/cgroup /proc/$!/cgroup /proc/self/cgroup")
+        mark = f"/forkyard/{branch.id}"
+        hierarchies = len(SandboxCgroup(branch.id).paths)
+        # The bash, a background job and `cat`, each in every hierarchy of the branch.
+        assert sum(line.endswith(mark) for line in r.stdout.splitlines()) == 3 * hierarchies, r.stdout
+
+
+async def test_restore_into_a_cwd_that_is_gone_fails_and_leaves_nothing(lb, backend_root):
+    info = await lb.create(SandboxSpec(image=BASE_REF))
+    assert (await lb.exec(info.id, "mkdir /gone && cd /gone && rmdir /gone")).exit_code == 0
+    snap = await lb.snapshot(info.id)
+    assert snap.cwd == "/gone"
+    with pytest.raises(SandboxError, match="/gone"):
+        await lb.restore(snap, 2)
+    assert [i.id for i in await lb.list()] == [info.id]
+    assert [p.name for p in (backend_root / "sandboxes").iterdir()] == [info.id]
