@@ -465,6 +465,7 @@ def print_fork_tables(results: dict[str, dict[str, list[float]]]) -> None:
                 f"{ratio:.1f}x ({mine:.1f} vs {theirs:.1f} ms per branch) — "
                 + ("met" if ratio >= TARGET_SPEEDUP else "not met")
             )
+    print()
 
 
 if __name__ == "__main__":
