@@ -97,6 +97,12 @@ async def cancel_rollout(rollout_id: str, request: Request, db_session: DbSessio
     return (await _read_all(db_session, [row]))[0]
 
 
+@router.delete("/{rollout_id}", status_code=204)
+async def delete_rollout(rollout_id: str, db_session: DbSession) -> None:
+    """Delete a finished (completed, cancelled or failed) rollout and everything it stored."""
+    await service.delete_rollout(db_session=db_session, rollout_id=rollout_id)
+
+
 @router.post("/{rollout_id}/pull", response_model=PullResponse)
 async def pull(rollout_id: str, body: PullRequest, request: Request, db_session: DbSession):
     """Take episodes off the stream: expired leases first, then new entries; long-poll up to wait_s."""

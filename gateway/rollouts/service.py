@@ -6,12 +6,12 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import delete, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.db import new_id, utcnow
 from gateway.environments.service import get_environment_by_name
-from gateway.episodes.models import Episode
+from gateway.episodes.models import Episode, EpisodeStep
 from gateway.episodes.service import lock_rollout, settle_cancelled
 from gateway.errors import ConflictError, InvalidRequestError, NotFoundError
 from gateway.pagination import page_of, paginate
@@ -19,6 +19,7 @@ from gateway.policies.service import ensure_policy
 from gateway.rollouts.events import rollout_events
 from gateway.rollouts.models import (
     ACTIVE_EPISODE_STATUSES,
+    DeliveryConsumer,
     DeliveryLease,
     DeliveryState,
     EpisodeGroup,
@@ -255,6 +256,33 @@ async def cancel_rollout(*, db_session: AsyncSession, rollout_id: str) -> Rollou
 async def fail_rollout(*, db_session: AsyncSession, rollout_id: str, error: str) -> Rollout:
     """Fail a rollout the dispatcher cannot run (``error`` says why); its queued episodes fail with it."""
     return await _stop(db_session, rollout_id, RolloutStatus.FAILED, f"the rollout failed: {error}", error)
+
+
+async def delete_rollout(*, db_session: AsyncSession, rollout_id: str) -> None:
+    """Delete a finished rollout with its episodes, steps, groups and delivery state.
+
+    The snapshots its trajectory trees took are already gone (a tree frees them when its
+    last branch ends), so nothing on the sandbox side outlives it.
+
+    Raises:
+        NotFoundError: no such rollout.
+        ConflictError: the rollout is still queued or running (code ``rollout_active``); cancel it first.
+    """
+    rollout = await lock_rollout(db_session, rollout_id)
+    if rollout.status not in (RolloutStatus.COMPLETED, RolloutStatus.CANCELLED, RolloutStatus.FAILED):
+        status = rollout.status.value
+        await db_session.rollback()
+        raise ConflictError(f"Rollout {rollout_id!r} is {status}; cancel it before deleting it.",
+                            code="rollout_active")
+    episodes = select(Episode.id).where(Episode.rollout_id == rollout_id).scalar_subquery()
+    await db_session.execute(delete(DeliveryLease).where(DeliveryLease.rollout_id == rollout_id))
+    await db_session.execute(delete(DeliveryConsumer).where(DeliveryConsumer.rollout_id == rollout_id))
+    await db_session.execute(delete(EpisodeStep).where(EpisodeStep.episode_id.in_(episodes)))
+    await db_session.execute(delete(Episode).where(Episode.rollout_id == rollout_id))
+    await db_session.execute(delete(EpisodeGroup).where(EpisodeGroup.rollout_id == rollout_id))
+    await db_session.execute(delete(Rollout).where(Rollout.id == rollout_id))
+    await db_session.commit()
+    logger.info("rollout %s deleted", rollout_id)
 
 
 async def list_dead_letters(

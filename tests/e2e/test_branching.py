@@ -116,6 +116,9 @@ def test_fork_at_turn_two_runs_the_shared_prefix_once(client, task_id, live_gate
     assert executed == 2 * 11
     assert env_steps(live_gateway) - before == 2 * 11
     assert tree_snapshots(live_gateway) == []  # the tree's snapshots are freed when its last branch ends
+    client.rollouts.delete(rollout.id)
+    with pytest.raises(forkyard.NotFoundError):
+        client.episodes.tree(delivered[0].episode_id)
 
 
 def test_nested_branching_respects_the_episode_budget(client, task_id, live_gateway):

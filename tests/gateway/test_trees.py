@@ -152,3 +152,28 @@ async def test_branching_rollouts_release_a_group_per_tree_and_count_trees_as_sa
                                                   termination="submitted", reward=0.0)
     progress = (await gateway.client.get(f"/v1/rollouts/{rollout['id']}")).json()["progress"]
     assert progress["finished"] == 1 and progress["streamed"] == 3  # the whole tree, as one group
+
+
+async def test_deleting_a_finished_rollout_removes_its_trees(gateway):
+    ids, _ = await build_tree(gateway)
+    episode = (await gateway.client.get(f"/v1/episodes/{ids['trunk']}")).json()
+    rollout_id = episode["rollout_id"]
+    assert (await gateway.client.get(f"/v1/rollouts/{rollout_id}")).json()["status"] == "completed"
+    pulled = await gateway.client.post(f"/v1/rollouts/{rollout_id}/pull", json={"consumer": "c", "max_episodes": 8})
+    assert len(pulled.json()["episodes"]) == 4  # delivery state exists too
+    response = await gateway.client.delete(f"/v1/rollouts/{rollout_id}")
+    assert response.status_code == 204, response.text
+    assert (await gateway.client.get(f"/v1/rollouts/{rollout_id}")).status_code == 404
+    for episode_id in ids.values():
+        assert (await gateway.client.get(f"/v1/episodes/{episode_id}")).status_code == 404
+    assert (await gateway.client.delete(f"/v1/rollouts/{rollout_id}")).status_code == 404
+
+
+async def test_an_active_rollout_cannot_be_deleted(gateway):
+    task_ids = await import_tasks(gateway.client, ["busy"])
+    rollout = await create_rollout(gateway.client, task_ids, group_size=1)
+    response = await gateway.client.delete(f"/v1/rollouts/{rollout['id']}")
+    assert response.status_code == 409 and response.json()["error"]["code"] == "rollout_active"
+    assert "cancel it" in response.json()["error"]["message"]
+    assert (await gateway.client.post(f"/v1/rollouts/{rollout['id']}/cancel")).status_code == 200
+    assert (await gateway.client.delete(f"/v1/rollouts/{rollout['id']}")).status_code == 204

@@ -254,6 +254,10 @@ def _cancel_request(rollout_id: str) -> RequestOptions[Rollout]:
     return RequestOptions("POST", f"/v1/rollouts/{path_id(rollout_id, 'rollout_id')}/cancel", cast_to=Rollout)
 
 
+def _delete_request(rollout_id: str) -> RequestOptions[None]:
+    return RequestOptions("DELETE", f"/v1/rollouts/{path_id(rollout_id, 'rollout_id')}")
+
+
 def _list_request(status: str | None, limit: int) -> PageRequest[Rollout]:
     if limit < 1:
         raise ValueError(f"limit must be at least 1, got {limit}.")
@@ -467,6 +471,10 @@ class Rollouts(Resource):
         """Cancel a rollout: queued episodes never start, running ones stop."""
         return self._client._request(_cancel_request(rollout_id))
 
+    def delete(self, rollout_id: str) -> None:
+        """Delete a finished rollout and everything it stored (a ConflictError while it still runs)."""
+        self._client._request(_delete_request(rollout_id))
+
     def dead_letters(
         self, rollout_id: str, *, limit: int = DEFAULT_PAGE_SIZE, cursor: str | None = None
     ) -> Pager[DeadLetter]:
@@ -601,6 +609,10 @@ class AsyncRollouts(Resource):
     async def cancel(self, rollout_id: str) -> Rollout:
         """Cancel a rollout: queued episodes never start, running ones stop."""
         return await self._client._request(_cancel_request(rollout_id))
+
+    async def delete(self, rollout_id: str) -> None:
+        """Delete a finished rollout and everything it stored (a ConflictError while it still runs)."""
+        await self._client._request(_delete_request(rollout_id))
 
     def dead_letters(
         self, rollout_id: str, *, limit: int = DEFAULT_PAGE_SIZE, cursor: str | None = None
