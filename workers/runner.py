@@ -137,6 +137,8 @@ class _Episode:
         self.context_ids: list[int] = []  # every token so far (prompt + sampled + observations)
         self.versions: list[int] = []
         self.token_exact = True
+        self.started = time.monotonic()
+        """When the episode's root began: a branch's time limit and total count from there."""
 
     def branch(self) -> _Episode:
         """Return a copy to continue in a branch: same context and history, no steps of its own."""
@@ -272,7 +274,7 @@ async def run_episode(
         return env
 
     return await _drive(run, episode_id, state, open_env, start_turn=0, forked_at=None, on_step=on_step,
-                        started=time.monotonic())
+                        started=state.started)
 
 
 async def _close_quietly(env: Any, episode_id: str) -> None:
@@ -397,7 +399,7 @@ async def _fork(run: _Run, parent_id: str, env: Any, state: _Episode, turn: int,
 
         async def branch(branch_id: str = branch_id, opener: Any = opened, branch_state: _Episode = branch_state) -> None:
             result = await _drive(run, branch_id, branch_state, opener, start_turn=turn, forked_at=turn,
-                                  on_step=lambda step: tree.on_step(branch_id, step), started=time.monotonic())
+                                  on_step=lambda step: tree.on_step(branch_id, step), started=branch_state.started)
             await tree.on_finish(branch_id, result)
 
         tree.start(branch(), name=f"branch {branch_id}")
