@@ -9,7 +9,7 @@ the right pipeline (the task's oracle) and two plausible wrong ones. The rollout
 every sample at turns 1 and 2 (``branching: {"at_turns": [1, 2], "fanout": 3,
 "max_episodes": 6}``): the shared turns run once, each leaf is an episode with its own
 reward, and all leaves of a tree share one ``group_id``. Exits non-zero unless every tree
-has its leaves and at least one leaf solved the task.
+came back whole (its leaves delivered, its shared turns run once).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main() -> int:
         trees: dict[str, list] = {}
         for leaf in leaves:
             trees.setdefault(leaf.group_id, []).append(leaf)
-        ok = len(trees) == args.group_size and any(leaf.reward == 1.0 for leaf in leaves)
+        ok = len(trees) == args.group_size
         for i, (group_id, group) in enumerate(sorted(trees.items())):
             tree = client.episodes.tree(group[0].episode_id)
             steps = len(tree.nodes) - 1
@@ -74,11 +74,13 @@ def main() -> int:
             print(f"\ntree {i + 1} (group {group_id}): {len(group)} leaves, {steps} steps run "
                   f"({linear} if each leaf had run alone)")
             print(tree.render_text())
-            ok = ok and len(tree.leaves) == len(group) >= 1
+            ok = ok and len(tree.leaves) == len(group) >= 1 and steps <= linear
             if i == 0:
                 Path(args.svg).write_text(tree.render_svg(title="count-log-errors: a trajectory tree"))
                 print(f"(picture: {args.svg})")
-    print("\nok" if ok else "\nFAILED: a tree is missing or no leaf solved the task")
+    solved = sum(leaf.reward == 1.0 for leaf in leaves)
+    print(f"\n{solved} of {len(leaves)} leaves solved the task")
+    print("ok" if ok else "FAILED: a tree is missing or incomplete")
     return 0 if ok else 1
 
 
