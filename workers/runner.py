@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sandboxes.base import LABEL_OWNER, SandboxSpec
+from sandboxes.base import LABEL_OWNER
 from sandboxes.errors import SandboxError
 from workers.errors import ActionError, ImageBuildError, WorkerError
 from workers.policy.base import Generation, PolicyClient, PolicyError, Sampling
@@ -353,7 +353,7 @@ async def _fork(run: _Run, parent_id: str, env: Any, state: _Episode, turn: int,
     A fork that fails (the sandbox could not be snapshotted or restored) costs the tree
     those branches, never the parent episode.
     """
-    from workers.envs.terminal import TerminalEnv
+    from workers.runtime import SessionSnapshot
 
     tree = run.tree
     assert tree is not None
@@ -367,16 +367,8 @@ async def _fork(run: _Run, parent_id: str, env: Any, state: _Episode, turn: int,
                                                        "forkyard.turn": str(turn)})
         tree.snapshots.append(snap.id)
         ids = await tree.spawn(parent_id, turn, n)
-        backend = run.runtime.backend
-
-        async def restore(branch_id: str) -> Any:
-            spec = SandboxSpec(image=snap.image, resources=snap.resources, network=snap.network,
-                               labels=run.labels_for(branch_id))
-            (info,) = await backend.restore(snap, 1, spec=spec)
-            return TerminalEnv.from_snapshot(run.task, backend, info, env_state, labels=run.labels_for(branch_id),
-                                             counters=run.runtime.counters)
-
-        envs = await asyncio.gather(*(restore(i) for i in ids), return_exceptions=True)
+        envs = await run.runtime.restore_envs(SessionSnapshot(snap, env_state), run.task,
+                                              [run.labels_for(i) for i in ids])
     except Exception as exc:
         logger.warning("episode %s: fork at turn %d failed: %s", parent_id, turn, exc)
         tree.refund(n - len(ids))
@@ -388,10 +380,6 @@ async def _fork(run: _Run, parent_id: str, env: Any, state: _Episode, turn: int,
     logger.info("episode %s: forked %d branch(es) at turn %d in %.1f ms", parent_id, n, turn, fork_s * 1000)
     for branch_id, branch_env in zip(ids, envs, strict=True):
         branch_state = state.branch()  # now: the parent changes ``state`` as soon as this returns
-        if isinstance(branch_env, BaseException):
-            await tree.on_finish(branch_id, _failed_branch(state, f"restoring the fork at turn {turn} failed: "
-                                                                   f"{branch_env}"))
-            continue
 
         async def opened(timings: dict[str, float], env: Any = branch_env) -> Any:
             timings["setup_s"] = fork_s

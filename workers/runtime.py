@@ -234,32 +234,25 @@ class WorkerRuntime:
         logger.info("session %s: snapshot %s", session_id, snap.id)
         return SessionSnapshot(snap, state)
 
-    async def fork_session(
-        self, snapshot: SessionSnapshot, new_session_ids: list[str], task: TerminalTask, *,
-        labels: Mapping[str, str] | None = None,
-    ) -> list[SessionOpened]:
-        """Restore one sandbox per new session id and continue the episode from ``snapshot`` in each.
+    async def restore_envs(
+        self, snapshot: SessionSnapshot, task: TerminalTask, labels: list[dict[str, str]]
+    ) -> list[TerminalEnv]:
+        """Restore one sandbox per labels dict and wrap each in an env continuing from ``snapshot``.
 
-        All or nothing: if one restore fails, the sandboxes already made are destroyed.
+        All or nothing: if one restore fails, the sandboxes already made are destroyed and
+        the first error is raised. The envs are not registered as sessions.
         """
         from sandboxes.base import SandboxSpec
-        from workers.envs.terminal import TOOLS, TerminalEnv
+        from workers.envs.terminal import TerminalEnv
 
-        taken = [s for s in new_session_ids if s in self._envs]
-        if taken or len(set(new_session_ids)) != len(new_session_ids):
-            raise ActionError(f"sessions {', '.join(taken) or 'given twice'} are already open")
         src = snapshot.sandbox
 
-        def labels_of(session_id: str) -> dict[str, str]:
-            return {LABEL_OWNER: session_id, "forkyard.task": task.name, **(labels or {})}
-
-        async def one(session_id: str) -> SandboxInfo:
-            spec = SandboxSpec(image=src.image, resources=src.resources, network=src.network,
-                               labels=labels_of(session_id))
+        async def one(branch_labels: dict[str, str]) -> SandboxInfo:
+            spec = SandboxSpec(image=src.image, resources=src.resources, network=src.network, labels=branch_labels)
             (info,) = await self.backend.restore(src, 1, spec=spec)
             return info
 
-        results = await asyncio.gather(*(one(s) for s in new_session_ids), return_exceptions=True)
+        results = await asyncio.gather(*(one(lb) for lb in labels), return_exceptions=True)
         made = [r for r in results if isinstance(r, SandboxInfo)]
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
@@ -269,13 +262,32 @@ class WorkerRuntime:
                 except Exception:
                     logger.exception("destroying sandbox %s after a failed fork failed", info.id)
             raise failed[0]
+        return [
+            TerminalEnv.from_snapshot(task, self.backend, info, snapshot.env, labels=lb, counters=self.counters)
+            for info, lb in zip(made, labels, strict=True)
+        ]
+
+    async def fork_session(
+        self, snapshot: SessionSnapshot, new_session_ids: list[str], task: TerminalTask, *,
+        labels: Mapping[str, str] | None = None,
+    ) -> list[SessionOpened]:
+        """Restore one sandbox per new session id and continue the episode from ``snapshot`` in each.
+
+        All or nothing: if one restore fails, the sandboxes already made are destroyed.
+        """
+        from workers.envs.terminal import TOOLS
+
+        taken = [s for s in new_session_ids if s in self._envs]
+        if taken or len(set(new_session_ids)) != len(new_session_ids):
+            raise ActionError(f"sessions {', '.join(taken) or 'given twice'} are already open")
+        envs = await self.restore_envs(
+            snapshot, task, [{LABEL_OWNER: s, "forkyard.task": task.name, **(labels or {})} for s in new_session_ids])
         opened = []
-        for session_id, info in zip(new_session_ids, made, strict=True):
-            self._envs[session_id] = TerminalEnv.from_snapshot(
-                task, self.backend, info, snapshot.env, labels=labels_of(session_id), counters=self.counters
-            )
-            opened.append(SessionOpened(session_id, info, task.instruction, list(TOOLS)))
-        logger.info("snapshot %s forked into %d session(s)", src.id, len(opened))
+        for session_id, env in zip(new_session_ids, envs, strict=True):
+            assert env.sandbox is not None
+            self._envs[session_id] = env
+            opened.append(SessionOpened(session_id, env.sandbox, task.instruction, list(TOOLS)))
+        logger.info("snapshot %s forked into %d session(s)", snapshot.id, len(opened))
         return opened
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
