@@ -124,10 +124,11 @@ def test_rollout_is_token_exact_against_vllm(stack, vllm_server, tiny_models):
             sampled += step.completion_ids
         # loss_mask marks exactly the sampled tokens, in order.
         assert [t for t, m in zip(ep.input_ids, ep.loss_mask) if m] == sampled
-        # The whole sequence decodes to the conversation: prompt, instruction, each observation.
+        # The whole sequence decodes to the conversation: prompt, instruction, and every observation that
+        # was fed back to the policy. The last step's observation never is: the episode ended after it.
         text = tokenizer.decode(ep.input_ids)
         assert detail.messages[1]["content"] in text
-        for step in detail.steps:
+        for step in detail.steps[:-1]:
             assert step.observation in text
 
 
