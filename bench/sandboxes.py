@@ -119,7 +119,7 @@ def bench_swerex(runs: int) -> dict[str, list[float]]:
     if not py.exists():
         print("installing swe-rex into bench/.venv-swerex ...", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", str(SWEREX_VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "swe-rex"], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "swe-rex==1.4.*"], check=True)
     proc = subprocess.run(
         [str(py), str(ROOT / "bench" / "_swerex_probe.py"), str(runs)], capture_output=True, text=True, timeout=600
     )

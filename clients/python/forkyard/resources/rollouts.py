@@ -464,7 +464,7 @@ class Rollouts(Resource):
     def list(
         self, *, status: str | None = None, limit: int = DEFAULT_PAGE_SIZE, cursor: str | None = None
     ) -> Pager[Rollout]:
-        """Iterate over rollouts, newest first; `limit` is the page size."""
+        """Iterate over rollouts, oldest first; `limit` is the page size."""
         return Pager(self._client, _list_request(status, limit), cursor)
 
     def cancel(self, rollout_id: str) -> Rollout:
@@ -603,7 +603,7 @@ class AsyncRollouts(Resource):
     def list(
         self, *, status: str | None = None, limit: int = DEFAULT_PAGE_SIZE, cursor: str | None = None
     ) -> AsyncPager[Rollout]:
-        """Iterate (`async for`) over rollouts, newest first; `limit` is the page size."""
+        """Iterate (`async for`) over rollouts, oldest first; `limit` is the page size."""
         return AsyncPager(self._client, _list_request(status, limit), cursor)
 
     async def cancel(self, rollout_id: str) -> Rollout:
