@@ -43,6 +43,7 @@ import logging
 import os
 import posixpath
 import re
+import secrets
 import socket
 import tarfile
 import time
@@ -112,12 +113,16 @@ LABEL_KEYS = "forkyard.labels"
 #: Image labels of snapshots: the snapshot's description (JSON) and the node that made it.
 LABEL_SNAPSHOT = "forkyard.snapshot"
 LABEL_SNAPSHOT_NODE = "forkyard.snapshot.node"
+#: Repository of snapshot images still being made: a random tag keeps each from being swept as dangling.
+BUILD_REPOSITORY = "forkyard/snapshot-build"
 DEFAULT_DOCKER_URL = "unix:///var/run/docker.sock"
 SHELL_ARGV = ["/bin/bash", "--noprofile", "--norc"]
 
 _PING_TIMEOUT_S = 10
 #: Commits and imports of a few hundred megabytes take a while on a small host.
 _API_TIMEOUT_S = 600
+#: A build tag this old belongs to a snapshot() cancelled while the engine still worked for it.
+_ABANDONED_BUILD_S = 6 * _API_TIMEOUT_S
 _READY_TIMEOUT_S = 60.0
 #: How long a container may take to stop after its shell exited by itself.
 _EXIT_WAIT_S = 5
@@ -904,6 +909,10 @@ class DockerBackend:
 
         The image is ``forkyard/snapshot:<id>`` and carries the snapshot as JSON in its
         ``forkyard.snapshot`` label. Background processes are not captured.
+
+        The id depends on the image's digest, so the image is first committed under a
+        random tag of :data:`BUILD_REPOSITORY`: tagged at every point until it has its
+        own, it is never one of the dangling images :meth:`delete_snapshot` sweeps.
         """
         sbx = await self._sandbox(sandbox_id)
         meta = snapshot_metadata(metadata)
@@ -934,26 +943,32 @@ class DockerBackend:
                 "network": (host.get("NetworkMode") or "none") != "none",
             }  # fmt: skip
             labels = {LABEL_SNAPSHOT: json.dumps(base), LABEL_SNAPSHOT_NODE: self.node}
+            build_tag = secrets.token_hex(16)
             try:
-                out = await self._call(
-                    "commit a snapshot", self._api.commit, sbx.id, pause=True, conf={"Labels": labels}
-                )
+                out = await self._call("commit a snapshot", self._api.commit, sbx.id, repository=BUILD_REPOSITORY,
+                                       tag=build_tag, pause=True, conf={"Labels": labels})
             except docker.errors.NotFound as exc:
                 raise SandboxNotFoundError(f"no sandbox {sandbox_id!r} on docker node {self.node!r}") from exc
-        image_id = out["Id"]
-        image_id = await self._bound_layers(image_id, labels)
-        sid = snapshot_id({**base, "digest": image_id})
+            except BaseException:
+                await self._untag(f"{BUILD_REPOSITORY}:{build_tag}")  # in case the engine committed it
+                raise
         try:
+            image_id = await self._bound_layers(out["Id"], labels, build_tag)
+            sid = snapshot_id({**base, "digest": image_id})
             await self._call("tag a snapshot", self._api.tag, image_id, SNAPSHOT_REPOSITORY, sid)
-        except BaseException:
-            await self._drop_image(image_id)
-            raise
+        finally:
+            # Only untags a finished snapshot; deletes one that failed (nothing else names it).
+            await self._untag(f"{BUILD_REPOSITORY}:{build_tag}")
         snap = self._snapshot_from(sid, image_id, base, time.time())
         logger.info("docker sandbox %s: snapshot %s", sbx.id[:12], sid)
         return snap
 
-    async def _bound_layers(self, image_id: str, labels: dict[str, str]) -> str:
-        """Return ``image_id``, or a flattened copy of it (same files and config) when its chain is too deep."""
+    async def _bound_layers(self, image_id: str, labels: dict[str, str], build_tag: str) -> str:
+        """Return ``image_id``, or a flattened copy of it (same files and config) when its chain is too deep.
+
+        The copy is committed under ``build_tag``, which moves from the deep image to it in
+        one step; the imported image beneath it is its parent, deleted along with it.
+        """
         attrs = await self._call("inspect a snapshot image", self._api.inspect_image, image_id)
         depth = len((attrs.get("RootFS") or {}).get("Layers") or [])
         if depth <= self.max_snapshot_layers:
@@ -976,6 +991,7 @@ class DockerBackend:
             made.append(holder["Id"])
             conf = {key: config.get(key) for key in ("Env", "WorkingDir", "User", "Entrypoint", "Cmd")}
             committed = await self._call("commit a flattened snapshot", self._api.commit, holder["Id"],
+                                         repository=BUILD_REPOSITORY, tag=build_tag,
                                          conf={**conf, "Labels": labels})
         finally:
             for cid in made:
@@ -999,6 +1015,19 @@ class DockerBackend:
                 "created_at": created_at,
             }
         )
+
+    async def _untag(self, ref: str) -> None:
+        """Remove tag ``ref``, and its image if no other tag names it and nothing uses it; never fails.
+
+        What stays is not lost: :meth:`delete_snapshot` sweeps untagged snapshot images and
+        build tags left from an abandoned snapshot.
+        """
+        try:
+            await self._call("remove a tag", self._api.remove_image, ref)
+        except docker.errors.NotFound:
+            pass
+        except SandboxError as exc:
+            logger.warning("snapshot image tag %s kept: %s", ref, exc)
 
     async def _drop_image(self, image: str) -> bool:
         """Remove ``image`` unless something still uses it; return whether it is gone."""
@@ -1042,7 +1071,11 @@ class DockerBackend:
         )
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
-        """Untag the snapshot image and delete every untagged snapshot image of this node nothing uses."""
+        """Untag the snapshot image and delete every untagged snapshot image of this node nothing uses.
+
+        Images still being made carry a build tag, so they are not swept; build tags older
+        than :data:`_ABANDONED_BUILD_S` (a snapshot() cancelled mid-call) are removed.
+        """
         self._check_open()
         ref = f"{SNAPSHOT_REPOSITORY}:{snapshot_id}"
         try:
@@ -1057,6 +1090,22 @@ class DockerBackend:
         )
         for entry in leftovers:
             await self._drop_image(entry["Id"])
+        await self._sweep_abandoned_builds()
+
+    async def _sweep_abandoned_builds(self) -> None:
+        """Remove this node's build tags older than :data:`_ABANDONED_BUILD_S`, and the images only they named."""
+        builds = await self._call(
+            "list snapshot images being made",
+            self._api.images,
+            name=BUILD_REPOSITORY,
+            filters={"label": f"{LABEL_SNAPSHOT_NODE}={self.node}"},
+        )
+        cutoff = time.time() - _ABANDONED_BUILD_S
+        for entry in builds:
+            if float(entry.get("Created") or 0) < cutoff:
+                for ref in entry.get("RepoTags") or []:
+                    if ref.startswith(f"{BUILD_REPOSITORY}:"):
+                        await self._untag(ref)
 
     async def list_snapshots(self) -> list[Snapshot]:
         """Return the snapshot images of this node."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -46,7 +47,8 @@ import stat
 import struct
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -554,6 +556,8 @@ class LocalBackend:
         self._sandboxes: dict[str, _Sandbox] = {}
         self._destroying: dict[str, asyncio.Future[None]] = {}
         self._images_lock = asyncio.Lock()
+        self._restoring: Counter[str] = Counter()
+        """Layers that restores in flight mount before any meta.json names them; the layer GC keeps them."""
         self._volatile = True
         self._closed = False
         self._warned_images: set[str] = set()
@@ -610,7 +614,7 @@ class LocalBackend:
                     await asyncio.to_thread(shutil.rmtree, layer, True)
 
     def _used_layers(self) -> set[str]:
-        used: set[str] = set()
+        used: set[str] = set(self._restoring)
         for manifest in self._images.rglob("*.json"):
             try:
                 used.update(json.loads(manifest.read_text()).get("layers", []))
@@ -784,6 +788,11 @@ class LocalBackend:
             raise SandboxError(f"snapshot {snapshot.id} was not made by a local backend")
         if n < 1:
             raise SandboxError(f"restore needs n >= 1, got {n}")
+        with self._pinned(snapshot.layers):
+            return await self._restore(snapshot, n, spec)
+
+    async def _restore(self, snapshot: Snapshot, n: int, spec: SandboxSpec | None) -> list[SandboxInfo]:
+        """Restore ``n`` branches of ``snapshot``, whose layers the caller keeps pinned."""
         if not self._snapshot_path(snapshot.id).is_file():
             raise SandboxNotFoundError(f"no snapshot {snapshot.id!r} on node {self.node!r}")
         env = {**snapshot.env, **(spec.env if spec else {})}
@@ -801,6 +810,24 @@ class LocalBackend:
         return await start_branches(
             self, snapshot, n, create=lambda: create_cancel_safe(self._create(eff, source), self.destroy)
         )
+
+    @contextlib.contextmanager
+    def _pinned(self, layers: tuple[str, ...]) -> Iterator[None]:
+        """Keep ``layers`` from the layer GC while a restore of them is in flight.
+
+        A branch's meta.json names its layers only once its overlay is mounted, in a
+        worker thread and without :attr:`_images_lock` (holding it would serialize the
+        restores of many branches). Pinned before the restore checks that its snapshot
+        exists, the layers survive a :meth:`delete_snapshot` that runs meanwhile.
+        """
+        self._restoring.update(layers)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                self._restoring[layer] -= 1
+                if self._restoring[layer] <= 0:
+                    del self._restoring[layer]
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Delete the snapshot and every layer nothing else (image, sandbox, snapshot) uses."""

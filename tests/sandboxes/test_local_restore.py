@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import uuid
+from pathlib import Path
 
 import pytest
 
+from sandboxes import local
 from sandboxes.base import Resources, SandboxSpec
 from sandboxes.cgroups import SandboxCgroup
 from sandboxes.errors import SandboxError
@@ -79,3 +83,34 @@ async def test_restore_into_a_cwd_that_is_gone_fails_and_leaves_nothing(lb, back
         await lb.restore(snap, 2)
     assert [i.id for i in await lb.list()] == [info.id]
     assert [p.name for p in (backend_root / "sandboxes").iterdir()] == [info.id]
+
+
+async def test_a_snapshot_deleted_while_a_branch_mounts_it_keeps_its_layers(lb, monkeypatch):
+    """The overlay is mounted before meta.json names its layers: a delete in between must not free them."""
+    info = await lb.create(SandboxSpec(image=BASE_REF))
+    assert (await lb.exec(info.id, "echo kept > /kept")).exit_code == 0
+    snap = await lb.snapshot(info.id)
+    mounted, go_on = threading.Event(), threading.Event()
+    real_mount = local._mount_overlay
+
+    def mount_then_wait(*args):
+        ok = real_mount(*args)
+        mounted.set()
+        go_on.wait(30)
+        return ok
+
+    monkeypatch.setattr(local, "_mount_overlay", mount_then_wait)
+    restoring = asyncio.create_task(lb.restore(snap))
+    try:
+        assert await asyncio.to_thread(mounted.wait, 30), "the restore never mounted its overlay"
+        await lb.delete_snapshot(snap.id)
+    finally:
+        go_on.set()
+    [branch] = await restoring
+
+    assert snap.id not in {s.id for s in await lb.list_snapshots()}
+    assert await lb.read_file(branch.id, "/kept") == b"kept\n"
+    # Freed by the next collection once the branch is gone.
+    await lb.destroy(branch.id)
+    await lb.delete_snapshot(snap.id)
+    assert not Path(snap.layers[-1]).exists()

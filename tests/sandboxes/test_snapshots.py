@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from sandboxes.base import SandboxSpec
@@ -233,3 +235,88 @@ async def test_deep_docker_chains_are_flattened(backend, snaps):
     assert max(depths) <= base_depth + 2 and min(depths) < base_depth  # at least one was flattened
     r = await backend.exec(current.id, 'echo "$PWD|$GEN|$FORKYARD_TEST_IMAGE"; ls; test -e /etc/issue.net || echo gone')
     assert r.stdout == "/work|5|base\ngen5\ngone\n", r
+
+
+#: The engine calls snapshot() makes once its image exists, up to the tag that names it.
+_SNAPSHOT_STEPS = {
+    "commit a snapshot", "inspect a snapshot image", "create a container to flatten", "export a snapshot",
+    "import a flattened snapshot", "create a container to label", "commit a flattened snapshot",
+    "remove a container", "tag a snapshot",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", ["docker"], indirect=True)
+@pytest.mark.parametrize("flatten", [False, True], ids=["plain", "flattened"])
+async def test_a_docker_snapshot_being_made_survives_concurrent_deletes(backend, snaps, monkeypatch, flatten):
+    """delete_snapshot sweeps unused untagged snapshot images; one still being made is never among them."""
+    import docker
+
+    if flatten:
+        backend.max_snapshot_layers = 1  # every commit adds a layer to the base's: always flattened
+    info = await backend.create(SPEC)
+    await backend.exec(info.id, "echo kept > /kept")
+    real_call = backend._call
+    sweeps: list[str] = []
+
+    async def call_then_sweep(what, fn, *args, **kwargs):
+        out = await real_call(what, fn, *args, **kwargs)
+        if what in _SNAPSHOT_STEPS:
+            sweeps.append(what)
+            await backend.delete_snapshot("0" * 32)  # deletes nothing, sweeps every unused leftover
+        return out
+
+    monkeypatch.setattr(backend, "_call", call_then_sweep)
+    snap = await backend.snapshot(info.id)
+    snaps.append(snap)
+    monkeypatch.undo()
+    assert "tag a snapshot" in sweeps and ("import a flattened snapshot" in sweeps) == flatten
+
+    assert snap.id in {s.id for s in await backend.list_snapshots()}
+    [branch] = await backend.restore(snap)
+    assert await backend.read_file(branch.id, "/kept") == b"kept\n"
+    client = docker.from_env()
+    try:
+        # Flattened, the labelled commit sits on the imported flat image; plain, on the base image.
+        parent = client.images.get(snap.digest).attrs.get("Parent") or ""
+        assert parent
+        await backend.destroy(branch.id)
+        await backend.delete_snapshot(snap.id)
+        assert not _storage_present(backend, snap)
+        if flatten:  # deleting the snapshot frees the intermediate that made it
+            with pytest.raises(docker.errors.ImageNotFound):
+                client.images.get(parent)
+        left = client.images.list(filters={"label": f"forkyard.snapshot.node={backend.node}"})
+        assert left == [], f"snapshot images of this node left behind: {left}"
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("backend", ["docker"], indirect=True)
+async def test_delete_snapshot_sweeps_build_tags_of_abandoned_docker_snapshots(backend, monkeypatch):
+    """A snapshot() cancelled while the engine commits leaves a build tag: kept while fresh, swept once stale."""
+    import docker
+
+    from sandboxes import docker as docker_backend
+
+    info = await backend.create(SPEC)
+    client = docker.from_env()
+    image = None
+    try:
+        image = client.containers.get(info.id).commit(
+            repository=docker_backend.BUILD_REPOSITORY,
+            tag=f"abandoned-{uuid.uuid4().hex[:8]}",
+            conf={"Labels": {docker_backend.LABEL_SNAPSHOT_NODE: backend.node}},
+        )
+        await backend.delete_snapshot("0" * 32)
+        assert client.images.get(image.id).tags  # fresh: a snapshot() may still be making it
+        monkeypatch.setattr(docker_backend, "_ABANDONED_BUILD_S", -60)  # every build tag is stale now
+        await backend.delete_snapshot("0" * 32)
+        with pytest.raises(docker.errors.ImageNotFound):
+            client.images.get(image.id)
+    finally:
+        if image is not None:
+            try:
+                client.images.remove(image.id, force=True)
+            except docker.errors.ImageNotFound:
+                pass
+        client.close()
