@@ -57,10 +57,10 @@ class BranchingSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> BranchingSpec:
         """Build a spec from the stored ``branching`` dict (already validated by the gateway schema)."""
         adaptive = data.get("adaptive")
-        fanout = int(data.get("fanout") or (adaptive or {}).get("fanout") or 2)
-        if adaptive:
-            return cls(fanout=fanout, adaptive=True, budget=int(adaptive["budget"]),
+        if adaptive:  # its fanout lives inside it; a top-level one would be the at_turns default
+            return cls(fanout=int(adaptive.get("fanout") or 2), adaptive=True, budget=int(adaptive["budget"]),
                        min_entropy=float(adaptive["min_entropy"]))
+        fanout = int(data.get("fanout") or 2)
         at_turns = tuple(int(t) for t in data.get("at_turns") or ())
         full = fanout ** len(at_turns)
         max_episodes = int(data.get("max_episodes") or min(full, MAX_TREE_EPISODES))
@@ -108,6 +108,8 @@ class Tree:
         self.episodes = 1
         self.branch_points: list[dict[str, Any]] = []
         self.snapshots: list[str] = []
+        self.unopened: dict[str, Any] = {}
+        """Branch id -> its restored env, until the branch's task takes it (closed by :meth:`join` if never)."""
         self._tasks: set[asyncio.Task[None]] = set()
 
     def wants_fork(self, turn: int, *, forked_at: int | None) -> bool:
@@ -150,9 +152,23 @@ class Tree:
         """Wait for every branch (branches may start more while this waits), then free the snapshots."""
         try:
             while self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+                tasks = list(self._tasks)
+                for task, outcome in zip(tasks, await asyncio.gather(*tasks, return_exceptions=True), strict=True):
+                    if isinstance(outcome, Exception):
+                        logger.error("tree %s: %s failed", self.root_episode_id, task.get_name(),
+                                     exc_info=outcome)
         finally:
+            await self._close_unopened()
             await self.free_snapshots()
+
+    async def _close_unopened(self) -> None:
+        """Close the envs of branches cancelled before their task ever ran."""
+        envs, self.unopened = self.unopened, {}
+        for branch_id, env in envs.items():
+            try:
+                await env.close()
+            except Exception:
+                logger.exception("tree %s: closing the sandbox of branch %s failed", self.root_episode_id, branch_id)
 
     async def cancel(self) -> None:
         """Stop every branch still running and free the snapshots."""

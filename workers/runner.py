@@ -363,9 +363,7 @@ async def _fork(run: _Run, parent_id: str, env: Any, state: _Episode, turn: int,
     t = time.monotonic()
     ids: list[str] = []
     try:
-        snap, env_state = await env.snapshot(metadata={"forkyard.tree": tree.root_episode_id,
-                                                       "forkyard.turn": str(turn)})
-        tree.snapshots.append(snap.id)
+        snap, env_state = await _snapshot_for(tree, env, turn)
         ids = await tree.spawn(parent_id, turn, n)
         envs = await run.runtime.restore_envs(SessionSnapshot(snap, env_state), run.task,
                                               [run.labels_for(i) for i in ids])
@@ -378,12 +376,13 @@ async def _fork(run: _Run, parent_id: str, env: Any, state: _Episode, turn: int,
     fork_s = time.monotonic() - t
     tree.branch_points.append({"episode_id": parent_id, "turn": turn, "branches": ids, "fork_s": fork_s, **why})
     logger.info("episode %s: forked %d branch(es) at turn %d in %.1f ms", parent_id, n, turn, fork_s * 1000)
-    for branch_id, branch_env in zip(ids, envs, strict=True):
+    tree.unopened.update(zip(ids, envs, strict=True))
+    for branch_id in ids:
         branch_state = state.branch()  # now: the parent changes ``state`` as soon as this returns
 
-        async def opened(timings: dict[str, float], env: Any = branch_env) -> Any:
+        async def opened(timings: dict[str, float], branch_id: str = branch_id) -> Any:
             timings["setup_s"] = fork_s
-            return env
+            return tree.unopened.pop(branch_id)
 
         async def branch(branch_id: str = branch_id, opener: Any = opened, branch_state: _Episode = branch_state) -> None:
             result = await _drive(run, branch_id, branch_state, opener, start_turn=turn, forked_at=turn,
@@ -391,6 +390,23 @@ async def _fork(run: _Run, parent_id: str, env: Any, state: _Episode, turn: int,
             await tree.on_finish(branch_id, result)
 
         tree.start(branch(), name=f"branch {branch_id}")
+
+
+async def _snapshot_for(tree: Any, env: Any, turn: int) -> tuple[Any, dict[str, Any]]:
+    """Snapshot ``env`` for a branch point of ``tree``, which holds the snapshot even if this is cancelled."""
+    taking = asyncio.ensure_future(env.snapshot(metadata={"forkyard.tree": tree.root_episode_id,
+                                                          "forkyard.turn": str(turn)}))
+
+    def hold(done: asyncio.Future) -> None:
+        if not done.cancelled() and done.exception() is None:
+            tree.snapshots.append(done.result()[0].id)
+
+    taking.add_done_callback(hold)
+    try:
+        return await asyncio.shield(taking)
+    except asyncio.CancelledError:
+        await asyncio.wait([taking])  # a snapshot half taken is held (and freed) by the tree, not lost
+        raise
 
 
 def _failed_branch(state: _Episode, error: str) -> EpisodeResult:
@@ -434,14 +450,16 @@ async def _agent_loop(
     for turn in range(start_turn, settings.max_turns):
         if time.monotonic() >= deadline:
             return await finish("timeout", f"episode timeout of {settings.episode_timeout_s:g}s reached")
-        if tree is not None and tree.wants_fork(turn, forked_at=forked_at):
-            await _fork(run, episode_id, env, state, turn, why={"reason": "at_turns"})
         if run.gate is not None:
             await run.gate()
         if run.stale_check is not None and state.versions:
             reason = await run.stale_check(state.versions)
             if reason is not None:
                 raise _Stale(reason)
+        # After the pause gate and the stale check: a stale episode does not fork, and no
+        # branch sandbox waits out a pause.
+        if tree is not None and tree.wants_fork(turn, forked_at=forked_at):
+            await _fork(run, episode_id, env, state, turn, why={"reason": "at_turns"})
         t = time.monotonic()
         budget = max(0.1, min(settings.step_timeout_s, deadline - t))
         try:

@@ -252,20 +252,29 @@ class WorkerRuntime:
             (info,) = await self.backend.restore(src, 1, spec=spec)
             return info
 
-        results = await asyncio.gather(*(one(lb) for lb in labels), return_exceptions=True)
+        restoring = asyncio.gather(*(one(lb) for lb in labels), return_exceptions=True)
+        try:
+            results = await asyncio.shield(restoring)
+        except asyncio.CancelledError:  # let the restores finish, then destroy what they made
+            results = await restoring
+            await self._destroy_quietly([r for r in results if isinstance(r, SandboxInfo)], "a cancelled fork")
+            raise
         made = [r for r in results if isinstance(r, SandboxInfo)]
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
-            for info in made:
-                try:
-                    await self.backend.destroy(info.id)
-                except Exception:
-                    logger.exception("destroying sandbox %s after a failed fork failed", info.id)
+            await self._destroy_quietly(made, "a failed fork")
             raise failed[0]
         return [
             TerminalEnv.from_snapshot(task, self.backend, info, snapshot.env, labels=lb, counters=self.counters)
             for info, lb in zip(made, labels, strict=True)
         ]
+
+    async def _destroy_quietly(self, sandboxes: list[SandboxInfo], after: str) -> None:
+        for info in sandboxes:
+            try:
+                await self.backend.destroy(info.id)
+            except Exception:
+                logger.exception("destroying sandbox %s after %s failed", info.id, after)
 
     async def fork_session(
         self, snapshot: SessionSnapshot, new_session_ids: list[str], task: TerminalTask, *,

@@ -133,6 +133,8 @@ def training_view(episode: Episode, steps: Iterable[EpisodeStep], *,
     logprobs: list[float | None] = []
     segments: list[dict[str, Any]] = []
     shared_prefix_len = 0
+    # Leaves that never train (failed, stale) share nothing with the others; the viewed one always counts.
+    uncounted = 0 if tree is None or tree.counts(episode) else 1
     for step in sorted(steps, key=lambda s: s.index):
         start = len(input_ids)
         prompt = list(step.prompt_ids or [])
@@ -146,10 +148,10 @@ def training_view(episode: Episode, steps: Iterable[EpisodeStep], *,
         logprobs.extend(step_logprobs + [None] * (len(completion) - len(step_logprobs)))
         if tree is None:
             continue
-        shared_by = tree.leaves_sharing(step.episode_id, step.index)
+        shared_by = tree.leaves_sharing(step.episode_id, step.index) + uncounted
         if shared_by > 1:
             shared_prefix_len = len(input_ids)
-        elif shared_prefix_len == start and tree.size > 1:
+        elif shared_prefix_len == start and tree.size + uncounted > 1:
             shared_prefix_len = start + len(prompt)  # the branches diverged at this turn's sampled tokens
         last = segments[-1] if segments else None
         if last is not None and last["episode_id"] == step.episode_id and last["shared_by"] == shared_by:
@@ -186,20 +188,27 @@ class _TreeIndex:
                 self.children.setdefault(episode.parent_episode_id, []).append(episode)
         self._sizes: dict[str, int] = {}
 
+    @staticmethod
+    def counts(episode: Episode) -> bool:
+        """Tell whether a leaf counts in sharing: not one that failed or went stale (it never trains)."""
+        return episode.status not in (EpisodeStatus.FAILED, EpisodeStatus.STALE)
+
     @property
     def size(self) -> int:
-        """How many episodes (leaves) the tree has."""
-        return len(self.episodes)
+        """How many leaves of the tree count (see :meth:`counts`)."""
+        return sum(self.counts(e) for e in self.episodes.values())
 
     def subtree_size(self, episode_id: str) -> int:
         if episode_id not in self._sizes:
-            self._sizes[episode_id] = 1 + sum(self.subtree_size(c.id) for c in self.children.get(episode_id, []))
+            self._sizes[episode_id] = int(self.counts(self.episodes[episode_id])) + sum(
+                self.subtree_size(c.id) for c in self.children.get(episode_id, []))
         return self._sizes[episode_id]
 
     def leaves_sharing(self, episode_id: str, index: int) -> int:
-        """Return how many leaves' paths contain step ``index`` of ``episode_id``."""
-        return 1 + sum(self.subtree_size(c.id) for c in self.children.get(episode_id, [])
-                       if (c.branch_turn or 0) > index)
+        """Return how many counting leaves' paths contain step ``index`` of ``episode_id``."""
+        own = int(self.counts(self.episodes[episode_id])) if episode_id in self.episodes else 1
+        return own + sum(self.subtree_size(c.id) for c in self.children.get(episode_id, [])
+                         if (c.branch_turn or 0) > index)
 
     def path(self, episode_id: str) -> list[EpisodeStep]:
         """Return the steps of an episode's root-to-leaf path in index order."""

@@ -192,7 +192,12 @@ class Dispatcher:
 
         runtime = self._runtime
         labels = {LABEL_OWNER: episodes[0].group_id, "forkyard.task": task.name, "forkyard.rollout": rollout.id}
-        image = await runtime.task_image(task)
+        try:
+            image = await runtime.task_image(task)
+        except Exception as exc:  # as a single episode's failed image build would: every member fails with it
+            logger.warning("group %s: no image for task %s: %s", episodes[0].group_id, task.name, exc)
+            await self._fail([e.id for e in episodes], "error", f"{type(exc).__name__}: {exc}")
+            return
 
         async def new_env() -> Any:
             return runtime.new_env(task, image=image, labels=labels, env_version=env_version)
@@ -222,20 +227,16 @@ class Dispatcher:
                 await episodes_service.record_step(db_session=db, episode_id=episode_id, step=step.as_dict())
 
         async def finish(episode_id: str, result: EpisodeResult) -> None:
-            async with sm() as db:
-                await episodes_service.finish_episode(
-                    db_session=db, episode_id=episode_id, status=result.status, termination=result.termination,
-                    reward=result.reward, error=result.error, messages=result.messages, timings=result.timings,
-                    weight_versions=result.weight_versions, info=result.info,
-                )
-
-        async def fail(episode_ids: list[str], termination: str, error: str) -> None:
-            for episode_id in episode_ids:
+            try:
                 async with sm() as db:
                     await episodes_service.finish_episode(
-                        db_session=db, episode_id=episode_id, status="failed", termination=termination,
-                        reward=None, error=error,
+                        db_session=db, episode_id=episode_id, status=result.status, termination=result.termination,
+                        reward=result.reward, error=result.error, messages=result.messages,
+                        timings=result.timings, weight_versions=result.weight_versions, info=result.info,
                     )
+            except Exception as exc:  # the episode must end somehow, or its group and rollout never do
+                logger.exception("episode %s: storing its result failed", episode_id)
+                await self._fail([episode_id], "error", f"storing the result failed: {type(exc).__name__}: {exc}")
 
         async def spawn(parent_id: str, turn: int, n: int) -> list[str]:
             async with sm() as db:
@@ -279,9 +280,11 @@ class Dispatcher:
                 )
                 if tree is not None:
                     result.info["tree"] = {"episodes": tree.episodes, "branch_points": tree.branch_points}
-                await finish(episode.id, result)
-                if tree is not None:
-                    await tree.join()
+                try:
+                    await finish(episode.id, result)
+                finally:  # the branches use the policy and the tree's snapshots: wait for them in any case
+                    if tree is not None:
+                        await tree.join()
             finally:
                 if policy is not plan.shared_policy:
                     await policy.aclose()
@@ -289,10 +292,22 @@ class Dispatcher:
             branches = await self._cancel_tree(tree)
             if self._closed:
                 raise  # shutdown: left running, failed (or requeued) at the next start
-            await fail([episode.id, *branches], "cancelled", "the rollout was cancelled while the episode ran")
+            await self._fail([episode.id, *branches], "cancelled", "the rollout was cancelled while the episode ran")
             raise
         except WorkerError as exc:  # e.g. the scripted policy has no oracle for this task
-            await fail([episode.id], "error", str(exc))
+            await self._fail([episode.id], "error", str(exc))
+
+    async def _fail(self, episode_ids: list[str], termination: str, error: str) -> None:
+        """Mark episodes failed; one that cannot be stored is logged (a restart fails it, as it is running)."""
+        for episode_id in episode_ids:
+            try:
+                async with self._sessionmaker() as db:
+                    await episodes_service.finish_episode(
+                        db_session=db, episode_id=episode_id, status="failed", termination=termination,
+                        reward=None, error=error,
+                    )
+            except Exception:
+                logger.exception("episode %s: marking it failed (%s) failed", episode_id, error)
 
     async def _cancel_tree(self, tree: Tree | None) -> list[str]:
         """Stop a tree's branches; return the ids of those still running."""

@@ -149,6 +149,10 @@ class BranchingSpec(BaseModel):
                              "set max_episodes")
         return self
 
+    def stored(self) -> dict[str, Any]:
+        """The dict stored on the rollout (and echoed back): only the fields of the chosen way."""
+        return self.model_dump(mode="json", exclude_none=True, exclude={"fanout"} if self.adaptive else None)
+
     @property
     def tree_episodes(self) -> int:
         """Most episodes one tree can hold."""

@@ -119,7 +119,7 @@ async def create_rollout(*, db_session: AsyncSession, spec: RolloutCreate) -> Ro
         max_staleness=spec.max_staleness, staleness_action=spec.staleness_action, max_attempts=spec.max_attempts,
         group_mode=spec.group_mode.mode, min_group_size=spec.group_mode.min_group_size, priority=spec.priority,
         concurrency=spec.concurrency, last_seq=0, created_at=now, updated_at=now,
-        branching=spec.branching.model_dump(mode="json", exclude_none=True) if spec.branching is not None else None,
+        branching=spec.branching.stored() if spec.branching is not None else None,
         lazy_fork=spec.lazy_fork,
     )
     db_session.add(rollout)

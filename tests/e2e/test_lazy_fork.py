@@ -83,3 +83,22 @@ def test_identical_actions_run_once_and_observations_match_the_uncached_run(clie
         mine = choices[eid].split()[1]
         assert d.steps[3].observation.startswith(f"/work/lazy|{mine}|base shared {mine} \n"), d.steps[3].observation
     assert side <= {"left", "right"}
+
+
+def test_a_group_whose_image_cannot_build_fails_its_episodes(client, tmp_path):
+    """The shared group builds the image once, before any member runs: a failed build fails every member."""
+    root = tmp_path / "broken-deterministic"
+    shutil.copytree(TASKS_DIR / "edit-config", root)
+    toml = (root / "task.toml").read_text()
+    (root / "task.toml").write_text(toml.replace("[environment]", "[environment]\ndeterministic_tools = true"))
+    dockerfile = root / "environment" / "Dockerfile"
+    dockerfile.write_text(dockerfile.read_text() + "RUN echo 'this build fails' && exit 3\n")
+    (task,) = client.tasks.import_dir(root)
+    policy = {"name": "lazy-broken", "api": "scripted", "actions": [*SHARED, *AFTER]}
+    rollout = client.rollouts.create(tasks=[task.id], group_size=3, policy=policy, agent={"max_turns": 4})
+    final = wait_done(client, rollout.id, timeout_s=120)  # it used to never end: the members stayed running
+    assert final.progress.finished == final.progress.total == 3
+    episodes = list(client.episodes.list(rollout_id=rollout.id))
+    assert len(episodes) == 3 and {e.status for e in episodes} == {"failed"}
+    for episode in episodes:
+        assert "RUN failed with exit code 3" in client.episodes.get(episode.id).error

@@ -33,7 +33,7 @@ def dispatcher(request: pytest.FixtureRequest) -> Iterator[RecordingDispatcher |
         yield recorder
 
 
-async def build_tree(gateway) -> tuple[dict, dict[str, list[dict]]]:
+async def build_tree(gateway, failed: tuple[str, ...] = ()) -> tuple[dict, dict[str, list[dict]]]:
     sm = gateway.app.state.sessionmaker
     task_ids = await import_tasks(gateway.client, ["tree"])
     rollout = await create_rollout(gateway.client, task_ids, group_size=1, agent={"max_turns": 6},
@@ -54,7 +54,8 @@ async def build_tree(gateway) -> tuple[dict, dict[str, list[dict]]]:
                 await episodes_service.record_step(db_session=db, episode_id=ids[name], step=step)
         for name, reward in {"B": 0.0, "D": 1.0, "C": 0.5, "trunk": 1.0}.items():
             await episodes_service.finish_episode(
-                db_session=db, episode_id=ids[name], status="completed", termination="submitted", reward=reward)
+                db_session=db, episode_id=ids[name], status="failed" if name in failed else "completed",
+                termination="error" if name in failed else "submitted", reward=None if name in failed else reward)
     return ids, steps
 
 
@@ -177,3 +178,20 @@ async def test_an_active_rollout_cannot_be_deleted(gateway):
     assert "cancel it" in response.json()["error"]["message"]
     assert (await gateway.client.post(f"/v1/rollouts/{rollout['id']}/cancel")).status_code == 200
     assert (await gateway.client.delete(f"/v1/rollouts/{rollout['id']}")).status_code == 204
+
+
+async def test_a_failed_leaf_shares_nothing_with_the_leaves_that_train(gateway):
+    """D failed (it is dead-lettered, never trains): B's turn 1 is B's alone; D's own view still counts D."""
+    ids, steps = await build_tree(gateway, failed=("D",))
+
+    async def view(name: str) -> dict:
+        response = await gateway.client.get(f"/v1/episodes/{ids[name]}/training")
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    b, d, trunk = await view("B"), await view("D"), await view("trunk")
+    assert [seg["shared_by"] for seg in b["segments"]] == [3, 1]  # trunk t0 (trunk, B, C); B t1-t2
+    assert [seg["shared_by"] for seg in d["segments"]] == [4, 2, 1]  # as if D counted: its own view
+    assert [seg["shared_by"] for seg in trunk["segments"]] == [3, 2, 1]  # t0; t1-t2 (trunk, C); t3
+    t0 = len(steps["trunk"][0]["prompt_ids"]) + len(steps["trunk"][0]["completion_ids"])
+    assert b["shared_prefix_len"] == t0 + len(steps["B"][0]["prompt_ids"])

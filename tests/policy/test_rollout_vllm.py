@@ -222,13 +222,15 @@ def test_adaptive_branching_spends_its_budget_where_the_policy_is_uncertain(stac
                                      branching={"adaptive": {"budget": 3, "min_entropy": 99.0}})
     assert len(consume(client, certain.id)) == 1  # a random tiny model is never that uncertain
     rollout = client.rollouts.create(tasks=[task.id], group_size=1, policy=spec, agent={"max_turns": 2},
-                                     branching={"adaptive": {"budget": 3, "min_entropy": 0.0}})
+                                     branching={"adaptive": {"budget": 3, "min_entropy": 0.0, "fanout": 3}})
     leaves = consume(client, rollout.id)
     assert len(leaves) == 4  # 1 + budget
     episodes = {e.id: e for e in client.episodes.list(rollout_id=rollout.id)}
     root = next(e for e in episodes.values() if e.parent_episode_id is None)
     points = client.episodes.get(root.id).info["tree"]["branch_points"]
     assert points and all(p["reason"] == "adaptive" for p in points)
+    # fanout 3: the first branch point re-samples its turn twice; the budget caps the rest.
+    assert len(points[0]["branches"]) == 2 and sum(len(p["branches"]) for p in points) == 3
     for point in points:
         # The recorded uncertainty is the mean negative logprob of the turn the branches re-sampled.
         parent = client.episodes.get(point["episode_id"], tokens=True)

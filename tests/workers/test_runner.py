@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import tempfile
 import uuid
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sandboxes.backends import create_backend
+from workers.branching import BranchingSpec, Tree
 from workers.policy import create_policy_client
 from workers.policy.base import Sampling
 from workers.runner import AgentSettings, StageLimits, run_episode
@@ -93,3 +95,50 @@ async def test_unreachable_server_fails_the_episode_visibly(runtime):
     result, _ = await run(runtime, spec)
     assert result.status == "failed" and result.termination == "error"
     assert "127.0.0.1:9" in result.error
+
+
+async def test_a_fork_cancelled_midway_leaves_no_sandbox_and_no_snapshot(runtime, monkeypatch):
+    """Cancel the trunk while its branches are being restored: what was restored is destroyed, the snapshot freed."""
+    spawned: list[str] = []
+    finished: dict[str, str] = {}
+
+    async def spawn(parent_id: str, turn: int, n: int) -> list[str]:
+        ids = [f"ep_branch{uuid.uuid4().hex[:8]}" for _ in range(n)]
+        spawned.extend(ids)
+        return ids
+
+    async def on_step(episode_id, step):
+        pass
+
+    async def on_finish(episode_id, result):
+        finished[episode_id] = result.status
+
+    tree = Tree(BranchingSpec(at_turns=(1,), fanout=4, max_episodes=4), root_episode_id="ep_trunk",
+                spawn=spawn, on_step=on_step, on_finish=on_finish, delete_snapshot=runtime.delete_snapshot)
+    real_restore = runtime.backend.restore
+    restored = asyncio.Event()
+
+    async def slow_restore(snapshot, n=1, *, spec=None):
+        infos = await real_restore(snapshot, n, spec=spec)
+        restored.set()
+        await asyncio.sleep(0.3)  # a restore still under way when the cancel comes
+        return infos
+
+    monkeypatch.setattr(runtime.backend, "restore", slow_restore)
+    actions = [{"tool": "bash", "arguments": {"command": f"echo {i} >> /tmp/log"}} for i in range(4)]
+    policy = create_policy_client({"api": "scripted", "actions": actions}, task=TASK)
+    trunk = asyncio.create_task(run_episode(
+        episode_id="ep_trunk", task=TASK, runtime=runtime, policy=policy, settings=AgentSettings(max_turns=4),
+        sampling=Sampling(), stages=StageLimits(), tree=tree,
+    ))
+    try:
+        await asyncio.wait_for(restored.wait(), 120)
+        trunk.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await trunk
+        await tree.cancel()
+    finally:
+        await policy.aclose()
+    assert len(spawned) == 3 and not finished  # the branches never ran; the caller fails them (as cancelled)
+    assert await runtime.backend.list() == []
+    assert [s for s in await runtime.backend.list_snapshots() if "forkyard.tree" in s.metadata] == []
