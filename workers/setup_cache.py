@@ -17,6 +17,15 @@ forget the snapshot then (local keeps every layer a sandbox, image or snapshot s
 lists; docker only untags an image a container uses) and free its storage at a later
 ``delete_snapshot``. The cache remembers such snapshots and deletes them again at the next
 change, and at :meth:`SetupCache.clear`, until their storage is gone.
+
+Every change commits the index before deleting anything: the snapshots it drops are listed
+as released in the same write, so a write that fails changes nothing, and a delete that
+fails leaves its snapshot listed, to be deleted again at the next change.
+
+A setup that leaves processes running (a service, a daemon) cannot be cached: snapshots
+keep files, not processes, so a restored sandbox would lack them. The environment marks
+such a key :meth:`SetupCache.mark_uncacheable`; the mark lives in memory only, and its
+resets run setup every time without taking the key's build lock.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from sandboxes.base import SandboxBackend
+from sandboxes.errors import SandboxError
 from sandboxes.snapshots import Snapshot
 
 logger = logging.getLogger(__name__)
@@ -124,7 +134,10 @@ class SetupCache:
         self._entries: OrderedDict[str, SetupCacheEntry] = OrderedDict()
         """Least recently used first."""
         self._released: dict[str, Snapshot] = {}
-        """Deleted snapshots whose storage a sandbox or another snapshot still held then."""
+        """Snapshots the index dropped whose storage is not gone yet (a sandbox or snapshot still held it,
+        or the delete failed); deleted again at every change."""
+        self._uncacheable: dict[str, str] = {}
+        """Key id to why its setup cannot be cached."""
         self._build_locks: dict[str, asyncio.Lock] = {}
         self._mutex = asyncio.Lock()
         self._loaded = False
@@ -184,14 +197,27 @@ class SetupCache:
         return list(self._entries.values())
 
     def stats(self) -> dict[str, int]:
-        """Return hits, misses and evictions since start, and the entries and bytes held now."""
+        """Return hits, misses and evictions since start; entries, bytes and keys marked uncacheable now."""
         return {
             "hits": self.hits,
             "misses": self.misses,
             "evictions": self.evictions,
             "entries": len(self._entries),
             "bytes": self.bytes,
+            "uncacheable": len(self._uncacheable),
         }
+
+    def holds(self, snapshot_id: str) -> bool:
+        """Tell whether an entry holds the snapshot (a caller whose :meth:`put` failed must not delete it then)."""
+        return any(entry.snapshot.id == snapshot_id for entry in self._entries.values())
+
+    def uncacheable(self, key: SetupCacheKey) -> str | None:
+        """Return why the setup of ``key`` cannot be cached, or None if it can (or nobody has tried yet)."""
+        return self._uncacheable.get(key.id)
+
+    def mark_uncacheable(self, key: SetupCacheKey, reason: str) -> None:
+        """Remember (in memory) that the setup of ``key`` cannot be cached: its claims miss without building."""
+        self._uncacheable[key.id] = reason
 
     @asynccontextmanager
     async def claim(self, key: SetupCacheKey) -> AsyncIterator[SetupCacheEntry | None]:
@@ -199,14 +225,16 @@ class SetupCache:
 
         Concurrent claims of one missing key build once: the others wait for the
         builder's block to end and then hit (or, if it failed, the next one builds).
+        A key marked uncacheable yields None at once, counted as neither hit nor
+        miss and without the lock, so its resets run side by side.
         """
         await self.load()
         entry = self._hit(key)
-        if entry is None:
+        if entry is None and key.id not in self._uncacheable:
             lock = self._build_locks.setdefault(key.id, asyncio.Lock())
             async with lock:
                 entry = self._hit(key)
-                if entry is None:
+                if entry is None and key.id not in self._uncacheable:
                     self.misses += 1
                     yield None
                     return
@@ -223,23 +251,30 @@ class SetupCache:
     # ------------------------------------------------------------------ changing
 
     async def put(self, key: SetupCacheKey, snapshot: Snapshot, state: Mapping[str, Any]) -> SetupCacheEntry:
-        """Store ``snapshot`` (taken right after setup) under ``key``, then evict down to the cap."""
+        """Store ``snapshot`` (taken right after setup) under ``key``, then evict down to the cap.
+
+        An error (the snapshot's size or the index cannot be read or written) leaves the
+        cache as it was, and ``snapshot`` the caller's; only a cancellation can land after
+        the commit, so a caller cleaning up asks :meth:`holds` first.
+        """
         await self.load()
         size = await self._snapshot_bytes(snapshot)
         entry = SetupCacheEntry(key=key, snapshot=snapshot, state=dict(state), bytes=size)
         async with self._mutex:
-            old = self._entries.pop(key.id, None)
-            self._entries[key.id] = entry
-            if old is not None and old.snapshot.id != snapshot.id:
-                await self._release(old.snapshot)
-            while self.bytes > self.max_bytes and self._entries:
-                _, victim = self._entries.popitem(last=False)
+            entries = self._entries.copy()
+            old = entries.pop(key.id, None)
+            entries[key.id] = entry
+            dropped = [old.snapshot] if old is not None and old.snapshot.id != snapshot.id else []
+            victims: list[SetupCacheEntry] = []
+            total = sum(e.bytes for e in entries.values())
+            while total > self.max_bytes and entries:
+                victims.append(entries.popitem(last=False)[1])
+                total -= victims[-1].bytes
+            await self._commit(entries, dropped + [victim.snapshot for victim in victims])
+            for victim in victims:
                 self.evictions += 1
-                logger.info("setup cache: evicting %s (%d bytes, snapshot %s) to stay under %d bytes",
+                logger.info("setup cache: evicted %s (%d bytes, snapshot %s) to stay under %d bytes",
                             victim.key.id[:12], victim.bytes, victim.snapshot.id, self.max_bytes)
-                await self._release(victim.snapshot)
-            await self._collect_released()
-            self._write_index()
         logger.info("setup cache: stored %s (snapshot %s, %d bytes)", key.id[:12], snapshot.id, size)
         return entry
 
@@ -247,33 +282,63 @@ class SetupCache:
         """Drop the entry of ``key`` (its snapshot is gone or unusable) and delete its snapshot."""
         await self.load()
         async with self._mutex:
-            entry = self._entries.pop(key.id, None)
+            entries = self._entries.copy()
+            entry = entries.pop(key.id, None)
             if entry is not None:
-                await self._release(entry.snapshot)
-                self._write_index()
+                await self._commit(entries, [entry.snapshot])
 
     async def clear(self) -> None:
-        """Delete every entry and its backend snapshot."""
+        """Delete every entry and its backend snapshot (one that fails to delete stays released, retried later)."""
         await self.load()
         async with self._mutex:
-            while self._entries:
-                _, entry = self._entries.popitem(last=False)
-                await self._release(entry.snapshot)
-            await self._collect_released()
+            await self._commit(OrderedDict(), [entry.snapshot for entry in self._entries.values()])
+
+    async def _commit(self, entries: OrderedDict[str, SetupCacheEntry], dropped: list[Snapshot]) -> None:
+        """Make ``entries`` the cache's and delete the ``dropped`` snapshots, index first.
+
+        The index is written with ``dropped`` listed as released before any is deleted: if
+        the write fails, memory is put back and the error raised, with nothing deleted; once
+        it succeeds, a failing delete only leaves its snapshot listed for the next change.
+        """
+        before = self._entries, self._released
+        held = {entry.snapshot.id for entry in entries.values()}
+        released = {**self._released, **{snap.id: snap for snap in dropped}}
+        self._entries = entries
+        self._released = {sid: snap for sid, snap in released.items() if sid not in held}
+        try:
             self._write_index()
+        except BaseException:
+            self._entries, self._released = before
+            raise
+        if await self._collect_released():
+            self._try_write_index()
 
-    async def _release(self, snapshot: Snapshot) -> None:
-        """Delete the backend snapshot; remember it if a live sandbox still holds its storage."""
-        await self.backend.delete_snapshot(snapshot.id)
-        if await self._storage_present(snapshot):
-            self._released[snapshot.id] = snapshot
+    async def _collect_released(self) -> bool:
+        """Delete released snapshots (freeing what nothing uses any more); forget those now gone.
 
-    async def _collect_released(self) -> None:
-        """Delete released snapshots again (freeing what nothing uses any more); forget those now gone."""
+        Errors are logged, not raised: such a snapshot stays released and is tried again at
+        the next change. Returns whether any was forgotten.
+        """
+        forgotten = False
         for snapshot in list(self._released.values()):
-            await self.backend.delete_snapshot(snapshot.id)
-            if not await self._storage_present(snapshot):
+            try:
+                await self.backend.delete_snapshot(snapshot.id)
+                present = await self._storage_present(snapshot)
+            except (SandboxError, OSError) as exc:
+                logger.warning("setup cache: cannot delete snapshot %s now (will retry at the next change): %s",
+                               snapshot.id, exc)
+                continue
+            if not present:
                 del self._released[snapshot.id]
+                forgotten = True
+        return forgotten
+
+    def _try_write_index(self) -> None:
+        """Rewrite the index after deletes; if that fails, the one on disk lists gone snapshots, which is harmless."""
+        try:
+            self._write_index()
+        except OSError as exc:
+            logger.warning("setup cache: cannot rewrite the index %s: %s", self.index_path, exc)
 
     def _write_index(self) -> None:
         data = {

@@ -18,6 +18,7 @@ FAMILIES = {
     "forkyard_env_resets_total": "counter",
     "forkyard_env_steps_total": "counter",
     "forkyard_env_setup_runs_total": "counter",
+    "forkyard_env_setup_uncacheable_total": "counter",
     "forkyard_setup_cache_hits_total": "counter",
     "forkyard_setup_cache_misses_total": "counter",
     "forkyard_setup_cache_evictions_total": "counter",

@@ -3,7 +3,8 @@
 The slow-setup example task (``sensor-stats``: a virtualenv plus a generated data set)
 shows a hit serves the same state as the cold run without running setup again. Small
 in-memory tasks with a quick setup cover the key, the LRU cap, eviction while a
-restored sandbox still runs, persistence, concurrency and failures.
+restored sandbox still runs, persistence, concurrency, a setup that leaves a process
+running (never cached) and failures, of setup and of the cache itself.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import logging
 import shutil
 import uuid
 from collections.abc import AsyncIterator
@@ -36,6 +38,13 @@ set -euo pipefail
 echo "run $(cat /proc/sys/kernel/random/uuid)" >> /var/log/quick-setup.log
 head -c 262144 /dev/urandom > /opt/blob
 echo "setup saw PWD=$PWD MARK=${MARK:-unset}" > /opt/setup-env.txt
+"""
+# Starts a "service" (a shell loop) that outlives setup.sh and records its pid.
+SERVICE_SETUP = b"""#!/bin/bash
+set -euo pipefail
+echo "run $(cat /proc/sys/kernel/random/uuid)" >> /var/log/quick-setup.log
+(while :; do sleep 1; done) >/dev/null 2>&1 &
+echo $! > /opt/service.pid
 """
 QUICK_TEST = b"""#!/bin/bash
 mkdir -p /logs/verifier
@@ -401,6 +410,127 @@ async def test_without_a_cache_setup_runs_at_every_reset(rig: Rig) -> None:
         await env.step("bash", {"command": "true"})
         await env.truncate("max turns reached")
         assert counters["env_steps"] == 2
+    finally:
+        await env.close()
+
+
+async def test_a_setup_that_leaves_a_process_running_runs_at_every_reset(
+    rig: Rig, cache: SetupCache, caplog: pytest.LogCaptureFixture
+) -> None:
+    counters: collections.Counter[str] = collections.Counter()
+    task = quick_task("Serve.\n", setup=SERVICE_SETUP)
+    envs = [rig.env(task, cache, counters) for _ in range(3)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="workers.envs.terminal"):
+            await envs[0].reset()
+            # Known uncacheable now: later resets run setup, side by side (no build lock).
+            await asyncio.gather(envs[1].reset(), envs[2].reset())
+        assert counters == {"resets": 3, "setup_runs": 3, "setup_cache_misses": 1, "setup_uncacheable": 1}
+        reason = cache.uncacheable(await envs[0].setup_key())
+        assert reason is not None and "left processes running (bash" in reason, reason
+        stats = cache.stats()
+        assert (stats["entries"], stats["hits"], stats["misses"], stats["uncacheable"]) == (0, 0, 1, 1)
+        assert await rig.backend.list_snapshots() == []
+        warnings = [r.getMessage() for r in caplog.records if "not caching its setup" in r.getMessage()]
+        assert len(warnings) == 1 and "bash" in warnings[0], warnings
+        # Every sandbox ran its own setup and has its own service running, not only the first.
+        logs = set()
+        for env in envs:
+            log = await _sh(env, "cat /var/log/quick-setup.log")
+            assert log.count("run ") == 1
+            logs.add(log)
+            assert await _sh(env, "cat /proc/$(cat /opt/service.pid)/comm") == "bash\n"
+        assert len(logs) == 3
+    finally:
+        for env in envs:
+            await env.close()
+
+
+async def test_a_failing_delete_while_evicting_keeps_the_new_entry_and_retries_the_delete(
+    rig: Rig, cache: SetupCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counters: collections.Counter[str] = collections.Counter()
+    tasks = [quick_task(f"Task {n}.\n") for n in ("one", "two", "three")]
+    env = rig.env(tasks[0], cache, counters)
+    try:
+        await env.reset()
+    finally:
+        await env.close()
+    [evicted] = cache.entries()
+    cache.max_bytes = evicted.bytes * 3 // 2  # room for one entry
+    real_delete = rig.backend.delete_snapshot
+    deleted: list[str] = []
+
+    async def delete_failing_once(snapshot_id: str) -> None:
+        deleted.append(snapshot_id)
+        if len(deleted) == 1:
+            raise SandboxError("injected: the engine did not answer")
+        await real_delete(snapshot_id)
+
+    monkeypatch.setattr(rig.backend, "delete_snapshot", delete_failing_once)
+    envs = [rig.env(tasks[1], cache, counters), rig.env(tasks[1], cache, counters)]
+    try:
+        await envs[0].reset()  # evicts task one, whose delete fails: this reset is unharmed
+        assert deleted == [evicted.snapshot.id]
+        [stored] = cache.entries()
+        assert stored.key.task_hash == tasks[1].content_hash and cache.stats()["evictions"] == 1
+        # The index has the new entry, and lists the evicted snapshot for another delete.
+        index = json.loads(cache.index_path.read_text())
+        assert [e["snapshot"]["id"] for e in index["entries"]] == [stored.snapshot.id]
+        assert [s["id"] for s in index["released"]] == [evicted.snapshot.id]
+        assert await rig.storage_present(evicted.snapshot)
+        await envs[1].reset()  # the new entry serves
+        assert counters["setup_cache_hits"] == 1 and counters["setup_runs"] == 2
+    finally:
+        for env in envs:
+            await env.close()
+    env = rig.env(tasks[2], cache, counters)
+    try:
+        await env.reset()  # the next change deletes the evicted snapshot again, and task two's
+    finally:
+        await env.close()
+    assert not await rig.storage_present(evicted.snapshot)
+    assert not await rig.storage_present(stored.snapshot)
+    assert json.loads(cache.index_path.read_text())["released"] == []
+
+
+async def test_a_failing_index_write_changes_nothing_and_the_reset_goes_on_uncached(
+    rig: Rig, cache: SetupCache, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    counters: collections.Counter[str] = collections.Counter()
+    one, two = quick_task("Task one.\n"), quick_task("Task two.\n")
+    env = rig.env(one, cache, counters)
+    try:
+        await env.reset()
+    finally:
+        await env.close()
+    [kept] = cache.entries()
+    cache.max_bytes = kept.bytes * 3 // 2  # storing task two would evict task one
+    index = cache.index_path.read_text()
+
+    def disk_full() -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cache, "_write_index", disk_full)
+    env = rig.env(two, cache, counters)
+    try:
+        with caplog.at_level(logging.WARNING, logger="workers.envs.terminal"):
+            await env.reset()
+        assert "cannot store its setup in the setup cache" in caplog.text and "No space left" in caplog.text
+        # The reset goes on with its freshly set-up sandbox, an ordinary episode.
+        assert (await _sh(env, "cat /var/log/quick-setup.log")).count("run ") == 1
+        await env.step("bash", {"command": "touch /app/done"})
+        assert (await env.step("submit")).reward == 1.0
+        # The cache is as it was: task one kept, its index unchanged, task two's snapshot deleted.
+        assert cache.entries() == [kept] and cache.stats()["evictions"] == 0
+        assert cache.index_path.read_text() == index
+        assert [s.id for s in await rig.backend.list_snapshots()] == [kept.snapshot.id]
+
+        monkeypatch.undo()
+        await env.reset()  # the disk has room again: this reset fills the cache
+        assert [e.key.task_hash for e in cache.entries()] == [two.content_hash]
+        assert cache.stats()["evictions"] == 1
+        assert counters == {"resets": 3, "setup_runs": 3, "setup_cache_misses": 3, "env_steps": 2}
     finally:
         await env.close()
 

@@ -14,7 +14,10 @@ sandbox starts (from the working directory, with the image's environment, bounde
 ``[environment] setup_timeout_sec``); a failure fails the reset. With a
 :class:`~workers.setup_cache.SetupCache`, only the first reset of a (environment
 version, task content, image) runs it: the sandbox is snapshotted right after, and
-later resets restore that snapshot with a fresh agent time budget.
+later resets restore that snapshot with a fresh agent time budget. A snapshot keeps
+files, not processes: a setup that leaves any running (a service, a daemon) is not
+cached, and every reset of its task runs it, as without a cache. A failure to cache
+(snapshot, index) does not fail the reset: it goes on with the uncached sandbox.
 
 The observation of a bash step is, in this order and each only when present::
 
@@ -53,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 #: Version of what a reset leaves in the sandbox; part of every setup cache key. Bump it
 #: when reset changes (other dirs, another way of running setup.sh) so old entries miss.
-TERMINAL_ENV_VERSION = "1"
+TERMINAL_ENV_VERSION = "2"
 #: Seconds a bash call may run when the agent gives no timeout.
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 #: Bytes of stdout (and, separately, stderr) an observation keeps per command.
@@ -77,6 +80,23 @@ _VERIFIER_OUTPUT_BYTES = 16 * 1024
 # Bytes of setup.sh output kept, and how much of it an error quotes.
 _SETUP_OUTPUT_BYTES = 16 * 1024
 _SETUP_ERROR_CHARS = 1000
+# Lists the sandbox's processes but pid 1 (the shell on local, docker-init on docker) and
+# the shell itself, as "__fy_proc PID COMM" lines after a "__fy_proc_ok" line saying /proc
+# shows the shell. Builtins only, run by the shell itself: the probe forks nothing it could
+# count, and neither backend's exec starts a helper in the sandbox. Each record starts on a
+# line of its own, since a background job's output may come first. Zombies are not running.
+_PROCESS_PROBE = r"""[ -r "/proc/$$/comm" ] && printf '\n__fy_proc_ok\n'
+for __fy_d in /proc/[0-9]*; do
+  __fy_p=${__fy_d#/proc/}
+  case $__fy_p in 1|"$$"|"$BASHPID") continue ;; esac
+  read -r __fy_s < "$__fy_d/stat" 2>/dev/null || continue
+  __fy_s=${__fy_s##*) }
+  case ${__fy_s%% *} in Z|X|x) continue ;; esac
+  read -r __fy_c < "$__fy_d/comm" 2>/dev/null || continue
+  printf '\n__fy_proc %s %s\n' "$__fy_p" "$__fy_c"
+done
+unset __fy_d __fy_p __fy_s __fy_c
+"""
 
 BASH_TOOL: dict[str, Any] = {
     "type": "function",
@@ -152,7 +172,8 @@ class TerminalEnv:
             setup_cache: where resets of tasks with a setup.sh keep and find their post-setup snapshot.
             env_version: the environment's name@version; part of the setup cache key.
             counters: incremented as things happen: ``resets``, ``env_steps``, ``setup_runs``,
-                ``setup_cache_hits``, ``setup_cache_misses``.
+                ``setup_cache_hits``, ``setup_cache_misses``, ``setup_uncacheable`` (a task whose
+                setup left processes running, once per cache key).
         """
         self.task = task
         self.backend = backend
@@ -403,16 +424,7 @@ class TerminalEnv:
         for attempt in (1, 2):
             async with cache.claim(key) as entry:
                 if entry is None:
-                    self._count("setup_cache_misses")
-                    await self._start_fresh()
-                    try:
-                        snap = await self.backend.snapshot(
-                            self._sandbox_id(), metadata={"forkyard.kind": "setup", "forkyard.task": self.task.name}
-                        )
-                        await self._cache_put(cache, key, snap)
-                    except BaseException:
-                        await self._destroy_sandbox()
-                        raise
+                    await self._start_and_fill(cache, key)
                     return
                 try:
                     (self.sandbox,) = await self.backend.restore(entry.snapshot, 1, spec=self._spec())
@@ -432,6 +444,68 @@ class TerminalEnv:
                 self._initial_env = dict(initial) if initial is not None else None
                 return
 
+    async def _start_and_fill(self, cache: SetupCache, key: SetupCacheKey) -> None:
+        """Start fresh (running setup) and, unless ``key`` is marked uncacheable, cache the result.
+
+        Caching is a saving, not part of the reset: if it fails while the sandbox is fine,
+        the reset goes on with that sandbox (as without a cache) and the next one tries again.
+        """
+        if cache.uncacheable(key) is not None:
+            await self._start_fresh()
+            return
+        self._count("setup_cache_misses")
+        await self._start_fresh()
+        try:
+            await self._fill(cache, key)
+        except (SandboxNotFoundError, SandboxCrashedError, BackendUnavailableError):
+            await self._destroy_sandbox()
+            raise
+        except Exception:
+            logger.warning(
+                "terminal task %s: cannot store its setup in the setup cache; sandbox %s goes on uncached",
+                self.task.name,
+                self._sandbox_id(),
+                exc_info=True,
+            )
+        except BaseException:
+            await self._destroy_sandbox()
+            raise
+
+    async def _fill(self, cache: SetupCache, key: SetupCacheKey) -> None:
+        """Cache a snapshot of the sandbox as setup left it, or mark ``key`` uncacheable if setup left processes."""
+        leftovers = await self._leftover_processes()
+        if leftovers:
+            names = ", ".join(sorted(set(leftovers)))
+            reason = f"{SETUP_SCRIPT} left processes running ({names}), and a snapshot keeps files, not processes"
+            cache.mark_uncacheable(key, reason)
+            self._count("setup_uncacheable")
+            logger.warning(
+                "terminal task %s: not caching its setup: %s; every reset of it runs setup (key %s)",
+                self.task.name,
+                reason,
+                key.id[:12],
+            )
+            return
+        snap = await self.backend.snapshot(
+            self._sandbox_id(), metadata={"forkyard.kind": "setup", "forkyard.task": self.task.name}
+        )
+        await self._cache_put(cache, key, snap)
+
+    async def _leftover_processes(self) -> list[str]:
+        """Return the names (comm) of the sandbox's processes besides pid 1 and the shell.
+
+        Right after setup, these are what setup.sh left running.
+
+        Raises:
+            SandboxError: /proc in the sandbox does not show its shell, so nothing can be told.
+        """
+        result = await self.backend.exec(self._sandbox_id(), _PROCESS_PROBE, timeout_s=_HOUSEKEEPING_TIMEOUT_S)
+        lines = result.stdout.splitlines()
+        if "__fy_proc_ok" not in lines:
+            detail = result.stderr.strip()[-500:] or f"exit code {result.exit_code}"
+            raise SandboxError(f"cannot list the processes of sandbox {self._sandbox_id()}: {detail}")
+        return [line.split(" ", 2)[2] for line in lines if line.startswith("__fy_proc ")]
+
     async def _cache_put(self, cache: SetupCache, key: SetupCacheKey, snap: Snapshot) -> None:
         state = {
             "image": self.image,
@@ -441,7 +515,8 @@ class TerminalEnv:
         try:
             await cache.put(key, snap, state)
         except BaseException:
-            await asyncio.shield(self.backend.delete_snapshot(snap.id))
+            if not cache.holds(snap.id):
+                await asyncio.shield(self.backend.delete_snapshot(snap.id))
             raise
 
     async def _run_setup(self, script: bytes) -> None:
