@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -506,7 +507,9 @@ async def _agent_loop(
             arguments = dict(action["arguments"] or {}) if isinstance(action["arguments"], dict) else action["arguments"]
             if action["tool"] == "bash" and isinstance(arguments, dict):
                 wanted = arguments.get("timeout")
-                cap = max(1.0, min(settings.step_timeout_s, deadline - time.monotonic()))
+                # Whole seconds: the members of a shared group (deadlines a few ms apart) then
+                # issue the same call near their time limit, and share it instead of forking.
+                cap = max(1.0, min(settings.step_timeout_s, float(math.floor(deadline - time.monotonic()))))
                 arguments["timeout"] = min(float(wanted), cap) if isinstance(wanted, (int, float)) else cap
             try:
                 if action["tool"] == "submit":
