@@ -453,9 +453,10 @@ class SharedEnvGroup:
         extra = branches + ([self._add_node(stalled, None)] if stalled else [])
         for child in extra:
             node.members -= child.members
-        for child in branches:
+            # Busy until its sandbox arrives: a member leaving meanwhile must not retire a node
+            # whose restore is still on its way (the sandbox would outlive the group).
             child.busy = True
-        held.extend(branches)
+        held.extend(extra)
         touched.extend(extra)
         assert node.env is not None
         try:
@@ -476,6 +477,10 @@ class SharedEnvGroup:
                 if not call.future.done():
                     call.future.set_exception(_clone_error(exc))
             return None
+        if stalled:  # the stalled members go on as soon as they call, not after this turn's steps
+            held.remove(extra[-1])
+            extra[-1].busy = False
+            await self._settle(extra[-1])
         self._forks += 1
         self._sandboxes_created += len(extra)
         logger.info(

@@ -376,3 +376,34 @@ async def test_aclose_mid_episode_leaves_no_sandbox_and_no_snapshot(harness: Har
         await asyncio.wait_for(waiting, timeout=30)
     with pytest.raises(SessionClosedError):
         await members[1].step("bash", {"command": "true"})
+
+
+async def test_a_stalled_member_leaving_while_its_fork_restores_leaves_no_sandbox(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stalled member closes and the group shuts down while the sandbox split off for it is restoring."""
+    labels = harness.labels()
+    group = harness.group(3, labels, barrier_timeout_s=0.5)
+    members = [group.member(i) for i in range(3)]
+    restoring, release = asyncio.Event(), asyncio.Event()
+    real_restore = harness.backend.restore
+
+    async def slow_restore(snapshot, n=1, *, spec=None):
+        restoring.set()
+        await release.wait()
+        return await real_restore(snapshot, n, spec=spec)
+
+    monkeypatch.setattr(harness.backend, "restore", slow_restore)
+    try:
+        await asyncio.gather(*(m.reset() for m in members))
+        steps = [asyncio.ensure_future(m.step("bash", {"command": "echo hi > /app/x"})) for m in members[:2]]
+        await asyncio.wait_for(restoring.wait(), 30)  # member 2 sent nothing: it is being split off
+        await members[2].close()
+        closing = asyncio.ensure_future(group.aclose())
+        await asyncio.sleep(0.2)
+        release.set()
+        await asyncio.wait_for(closing, 60)
+        await asyncio.gather(*steps, return_exceptions=True)
+    finally:
+        release.set()
+        await _assert_clean(harness, group, labels)
