@@ -967,7 +967,9 @@ class DockerBackend:
         """Return ``image_id``, or a flattened copy of it (same files and config) when its chain is too deep.
 
         The copy is committed under ``build_tag``, which moves from the deep image to it in
-        one step; the imported image beneath it is its parent, deleted along with it.
+        one step; the imported image beneath it is its parent, deleted along with it. Until
+        that commit the imported image has no tag or label for :meth:`delete_snapshot` to
+        sweep, so a failure before it deletes the image here.
         """
         attrs = await self._call("inspect a snapshot image", self._api.inspect_image, image_id)
         depth = len((attrs.get("RootFS") or {}).get("Layers") or [])
@@ -976,6 +978,8 @@ class DockerBackend:
         t = time.monotonic()
         config = attrs.get("Config") or {}
         made: list[str] = []
+        flat: str | None = None
+        committed: dict | None = None
         try:
             source = await self._call("create a container to flatten", self._api.create_container, image_id,
                                       entrypoint=["true"], labels={"forkyard.squash": self.node})
@@ -994,15 +998,24 @@ class DockerBackend:
                                          repository=BUILD_REPOSITORY, tag=build_tag,
                                          conf={**conf, "Labels": labels})
         finally:
-            for cid in made:
-                try:
-                    await self._call("remove a container", self._api.remove_container, cid, force=True)
-                except (docker.errors.NotFound, SandboxError):
-                    pass
+            await asyncio.shield(self._clear_flattening(made, None if committed else flat))
         await self._drop_image(image_id)  # the deep one; its untagged parents go with it unless in use
         logger.info("snapshot image %s had %d layers: flattened into %s in %.1f s", image_id[:19], depth,
                     committed["Id"][:19], time.monotonic() - t)
         return committed["Id"]
+
+    async def _clear_flattening(self, containers: list[str], flat: str | None) -> None:
+        """Remove the containers a flattening made, then its imported image ``flat`` unless None.
+
+        The containers go first: the holder container keeps ``flat`` in use.
+        """
+        for cid in containers:
+            try:
+                await self._call("remove a container", self._api.remove_container, cid, force=True)
+            except (docker.errors.NotFound, SandboxError):
+                pass
+        if flat is not None and not await self._drop_image(flat):
+            logger.warning("imported image %s of a failed flattening kept: it may be in use", flat[:19])
 
     def _snapshot_from(self, sid: str, image_id: str, base: dict, created_at: float) -> Snapshot:
         return Snapshot.from_json(

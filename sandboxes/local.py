@@ -556,8 +556,8 @@ class LocalBackend:
         self._sandboxes: dict[str, _Sandbox] = {}
         self._destroying: dict[str, asyncio.Future[None]] = {}
         self._images_lock = asyncio.Lock()
-        self._restoring: Counter[str] = Counter()
-        """Layers that restores in flight mount before any meta.json names them; the layer GC keeps them."""
+        self._mounting: Counter[str] = Counter()
+        """Layers that creates and restores in flight mount before any meta.json names them; the layer GC keeps them."""
         self._volatile = True
         self._closed = False
         self._warned_images: set[str] = set()
@@ -614,7 +614,7 @@ class LocalBackend:
                     await asyncio.to_thread(shutil.rmtree, layer, True)
 
     def _used_layers(self) -> set[str]:
-        used: set[str] = set(self._restoring)
+        used: set[str] = set(self._mounting)
         for manifest in self._images.rglob("*.json"):
             try:
                 used.update(json.loads(manifest.read_text()).get("layers", []))
@@ -813,21 +813,22 @@ class LocalBackend:
 
     @contextlib.contextmanager
     def _pinned(self, layers: tuple[str, ...]) -> Iterator[None]:
-        """Keep ``layers`` from the layer GC while a restore of them is in flight.
+        """Keep ``layers`` from the layer GC while a create or restore of them is in flight.
 
-        A branch's meta.json names its layers only once its overlay is mounted, in a
+        A sandbox's meta.json names its layers only once its overlay is mounted, in a
         worker thread and without :attr:`_images_lock` (holding it would serialize the
-        restores of many branches). Pinned before the restore checks that its snapshot
-        exists, the layers survive a :meth:`delete_snapshot` that runs meanwhile.
+        creates and restores of many sandboxes). Pinned as soon as the image's manifest
+        is read, or before a restore checks that its snapshot exists, the layers survive
+        a :meth:`remove_image` or :meth:`delete_snapshot` that runs meanwhile.
         """
-        self._restoring.update(layers)
+        self._mounting.update(layers)
         try:
             yield
         finally:
             for layer in layers:
-                self._restoring[layer] -= 1
-                if self._restoring[layer] <= 0:
-                    del self._restoring[layer]
+                self._mounting[layer] -= 1
+                if self._mounting[layer] <= 0:
+                    del self._mounting[layer]
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Delete the snapshot and every layer nothing else (image, sandbox, snapshot) uses."""
@@ -902,12 +903,17 @@ class LocalBackend:
         res = spec.resources
         if res.cpus <= 0 or res.memory_mb <= 0 or res.pids <= 0:
             raise SandboxError(f"resources must be positive, got {res}")
-        if source is None:
-            manifest = self._load_manifest(spec.image)
-            layers = list(manifest["layers"])
-            config = _config_from_json(manifest.get("config") or {})
-        else:
-            layers, config = list(source.layers), source.config
+        if source is not None:  # restore() keeps the snapshot's layers pinned
+            return await self._create_on(spec, list(source.layers), source.config, source)
+        manifest = self._load_manifest(spec.image)
+        layers = list(manifest["layers"])
+        with self._pinned(tuple(layers)):  # no await since the read: remove_image() cannot come between
+            return await self._create_on(spec, layers, _config_from_json(manifest.get("config") or {}), None)
+
+    async def _create_on(
+        self, spec: SandboxSpec, layers: list[str], config: ImageConfig, source: _Restore | None
+    ) -> SandboxInfo:
+        """Create a sandbox of ``spec`` over ``layers``, which the caller keeps pinned until it returns."""
         for _ in range(8):  # ids are 48 random bits: a second try is already rare
             sid = secrets.token_hex(6)
             # The blocking part (directories, the overlay mount, meta.json) runs in a worker

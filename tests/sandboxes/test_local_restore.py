@@ -1,8 +1,12 @@
-"""How the ``local`` backend starts a restored branch: its shell starts in the snapshot's state."""
+"""How the ``local`` backend starts a restored branch: its shell starts in the snapshot's state.
+
+Also how the layers a sandbox is being made on outlive a concurrent delete of their snapshot or image.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import uuid
 from pathlib import Path
@@ -10,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sandboxes import local
-from sandboxes.base import Resources, SandboxSpec
+from sandboxes.base import ImageConfig, Resources, SandboxSpec
 from sandboxes.cgroups import SandboxCgroup
 from sandboxes.errors import SandboxError
 from sandboxes.local import LocalBackend
@@ -114,3 +118,45 @@ async def test_a_snapshot_deleted_while_a_branch_mounts_it_keeps_its_layers(lb, 
     await lb.destroy(branch.id)
     await lb.delete_snapshot(snap.id)
     assert not Path(snap.layers[-1]).exists()
+
+
+async def test_an_image_removed_while_a_sandbox_mounts_it_keeps_its_layers(lb, backend_root, monkeypatch):
+    """create() reads the manifest before meta.json names its layers: a remove_image in between must not free them."""
+    tag = f"pinned-{uuid.uuid4().hex[:8]}"
+    ref = f"forkyard/test:{tag}"
+    source = await lb.create(SandboxSpec(image=BASE_REF))
+    assert (await lb.exec(source.id, "echo kept > /kept")).exit_code == 0
+    await lb.commit(source.id, ref, ImageConfig())
+    await lb.destroy(source.id)  # the image is now the only owner of its top layer
+    layer = Path(json.loads((backend_root / f"images/forkyard/test/{tag}.json").read_text())["layers"][-1])
+    mounted, go_on = threading.Event(), threading.Event()
+    real_mount = local._mount_overlay
+
+    def mount_then_wait(*args):
+        ok = real_mount(*args)
+        mounted.set()
+        go_on.wait(30)
+        return ok
+
+    monkeypatch.setattr(local, "_mount_overlay", mount_then_wait)
+    creating = asyncio.create_task(lb.create(SandboxSpec(image=ref)))
+    try:
+        assert await asyncio.to_thread(mounted.wait, 30), "the create never mounted its overlay"
+        await lb.remove_image(ref)
+    finally:
+        go_on.set()
+    info = await creating
+    monkeypatch.undo()
+
+    assert not await lb.has_image(ref)
+    assert layer.is_dir()
+    assert await lb.read_file(info.id, "/kept") == b"kept\n"
+    r = await lb.exec(info.id, "cat /kept && ls /bin/bash")
+    assert (r.exit_code, r.stdout) == (0, "kept\n/bin/bash\n"), r
+    # As before, a sandbox still using the layers keeps them through another collection...
+    await lb.remove_image(ref)
+    assert layer.is_dir()
+    # ...and once it is gone the next one frees them.
+    await lb.destroy(info.id)
+    await lb.remove_image(ref)
+    assert not layer.exists()

@@ -320,3 +320,46 @@ async def test_delete_snapshot_sweeps_build_tags_of_abandoned_docker_snapshots(b
             except docker.errors.ImageNotFound:
                 pass
         client.close()
+
+
+@pytest.mark.parametrize("backend", ["docker"], indirect=True)
+@pytest.mark.parametrize("step", ["create a container to label", "commit a flattened snapshot"])
+async def test_a_failed_docker_flattening_leaves_no_image(backend, monkeypatch, step):
+    """The imported image of a flattening has no tag or label to sweep it by: a failure after the import deletes it."""
+    import docker
+
+    from sandboxes import docker as docker_backend
+    from sandboxes.errors import SandboxError
+
+    backend.max_snapshot_layers = 1  # every commit adds a layer to the base's: always flattened
+    info = await backend.create(SPEC)
+    real_call = backend._call
+    made: dict[str, str] = {}  # step -> image id
+
+    async def call_failing_at_step(what, fn, *args, **kwargs):
+        if what == step:
+            raise SandboxError(f"injected failure to {what}")
+        out = await real_call(what, fn, *args, **kwargs)
+        if what == "commit a snapshot":
+            made[what] = out["Id"]
+        elif what == "import a flattened snapshot":
+            made[what] = docker_backend._imported_image_id(out, "a flattened snapshot")
+        return out
+
+    client = docker.from_env()
+    try:
+        before = {image.id for image in client.images.list(all=True)}
+        monkeypatch.setattr(backend, "_call", call_failing_at_step)
+        with pytest.raises(SandboxError, match="injected failure"):
+            await backend.snapshot(info.id)
+        monkeypatch.undo()
+
+        assert set(made) == {"commit a snapshot", "import a flattened snapshot"} and all(made.values()), made
+        assert not set(made.values()) & before, "the images checked were not made by this snapshot()"
+        after = {image.id for image in client.images.list(all=True)}
+        assert not set(made.values()) & after, f"images of the failed snapshot left behind: {made}"
+        assert client.images.list(all=True, filters={"label": f"forkyard.snapshot.node={backend.node}"}) == []
+        assert client.containers.list(all=True, filters={"label": f"forkyard.squash={backend.node}"}) == []
+        assert await backend.list_snapshots() == []
+    finally:
+        client.close()
