@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 #: Metadata keys of the snapshots a trajectory tree (``forkyard.tree``) or a lazy-fork
 #: group (``forkyard.shared``) takes; nothing outlives them.
 TRANSIENT_SNAPSHOT_KEYS = frozenset({"forkyard.tree", "forkyard.shared"})
+#: Metadata key of the snapshots the sessions API takes (the session id); the gateway's rows track them.
+SESSION_SNAPSHOT_KEY = "forkyard.session"
 
 
 @dataclass(frozen=True)
@@ -304,19 +306,24 @@ class WorkerRuntime:
         await self.backend.delete_snapshot(snapshot_id)
         logger.info("snapshot %s deleted", snapshot_id)
 
-    async def sweep_transient_snapshots(self) -> list[str]:
+    async def sweep_transient_snapshots(self, keep_session_snapshots: set[str] | None = None) -> list[str]:
         """Delete the snapshots trajectory trees and lazy-fork groups took (at start, after a crash).
 
         They live only as long as the tree or group that took it, and a new runtime runs
-        none: whatever is left was orphaned by a crash.
+        none: whatever is left was orphaned by a crash. With ``keep_session_snapshots``
+        (the ids the gateway's snapshot rows still reference), session snapshots not in it
+        go too: a crash between taking one and recording it left them to nobody.
         """
         swept = []
         for snap in await self.backend.list_snapshots():
-            if TRANSIENT_SNAPSHOT_KEYS & set(snap.metadata):
+            keys = set(snap.metadata)
+            orphan = (keep_session_snapshots is not None and SESSION_SNAPSHOT_KEY in keys
+                      and snap.id not in keep_session_snapshots)
+            if TRANSIENT_SNAPSHOT_KEYS & keys or orphan:
                 await self.backend.delete_snapshot(snap.id)
                 swept.append(snap.id)
         if swept:
-            logger.warning("deleted %d snapshot(s) of trees or groups a crash interrupted", len(swept))
+            logger.warning("deleted %d snapshot(s) of trees, groups or sessions a crash interrupted", len(swept))
         return swept
 
     async def list_sandboxes(self) -> list[SandboxInfo]:

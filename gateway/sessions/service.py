@@ -211,7 +211,11 @@ async def recover_node(*, db_session: AsyncSession, runtime: WorkerRuntime, node
     reaped = await runtime.reap(keep_owner_ids=set())
     if reaped:
         logger.info("reaped %d orphan sandbox(es) on node %s: %s", len(reaped), node, ", ".join(reaped))
-    await runtime.sweep_transient_snapshots()
+    from gateway.snapshots.service import live_backend_snapshot_ids
+
+    keep = await live_backend_snapshot_ids(db_session=db_session, node=node)
+    await db_session.commit()
+    await runtime.sweep_transient_snapshots(keep_session_snapshots=keep)
     for session_id in open_ids:
         await _finish(db_session, session_id, SessionState.FAILED,
                       error="the gateway restarted while the session was open; its sandbox was reaped")

@@ -76,13 +76,13 @@ async def delete_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runt
 
 @router.post("/snapshots/{snapshot_id}/pin", response_model=SnapshotRead)
 async def pin_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime):
-    """Pin a snapshot: it cannot be deleted until unpinned."""
+    """Pin a snapshot: it cannot be deleted, and outlives its session and forks, until unpinned."""
     return _read(await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id,
                                           pinned=True))
 
 
 @router.post("/snapshots/{snapshot_id}/unpin", response_model=SnapshotRead)
 async def unpin_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime):
-    """Unpin a snapshot."""
+    """Unpin a snapshot; one that nothing else holds (open source session or fork) is deleted."""
     return _read(await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id,
                                           pinned=False))

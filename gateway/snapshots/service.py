@@ -1,18 +1,21 @@
 """Snapshot sessions, fork snapshots into sessions, pin, delete and garbage-collect them.
 
-A snapshot is held by its pin and by every open session forked from it. DELETE marks it
-deleted; its backend storage is freed at once when nothing holds it, else when the last
-holder lets go (:func:`collect_garbage` runs whenever a session ends or a pin goes).
-Closing the session a snapshot was taken from does not touch the snapshot.
+A snapshot is held by the session it was taken from while that session is open, by every
+open session forked from it and by its pin. When nothing holds it any more it is deleted
+and its backend storage freed (:func:`collect_garbage` runs whenever a session ends, a pin
+goes or a snapshot is deleted): pin a snapshot to keep it after its session closes.
+DELETE marks it deleted at once; its storage goes when its open forks end.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import exists, select
+from sqlalchemy import exists, or_, select, update
+from sqlalchemy.orm import aliased
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.db import new_id, utcnow
@@ -24,6 +27,7 @@ from gateway.sessions.models import EnvSession, SessionState
 from gateway.snapshots.models import SnapshotRecord
 from gateway.tasks.service import get_task, load_terminal_task
 from workers.errors import SessionNotFoundError
+from workers.runtime import SESSION_SNAPSHOT_KEY
 
 if TYPE_CHECKING:
     from workers.runtime import SessionOpened, WorkerRuntime
@@ -84,10 +88,21 @@ async def snapshot_session(
     task = await get_task(db_session=db_session, task_id=row.task_id)
     await db_session.commit()  # no transaction stays open while the backend copies the filesystem
     try:
-        snap = await runtime.snapshot_session(session_id, metadata={"session_id": session_id})
+        snap = await runtime.snapshot_session(session_id, metadata={"session_id": session_id,
+                                                                    SESSION_SNAPSHOT_KEY: session_id})
     except SessionNotFoundError as exc:
         raise ConflictError(f"Session {session_id!r} is no longer live on its worker; it cannot be snapshotted.",
                             code="session_closed") from exc
+    try:
+        record = await _record_snapshot(db_session, row, task, snap)
+    except BaseException:  # unrecorded, nothing would ever free it
+        await asyncio.shield(runtime.delete_snapshot(snap.id))
+        raise
+    logger.info("session %s: snapshot %s (backend %s)", session_id, record.id, snap.id)
+    return record
+
+
+async def _record_snapshot(db_session: AsyncSession, row: EnvSession, task: Any, snap: Any) -> SnapshotRecord:
     await db_session.refresh(row)
     history = list(row.history or [])
     observation = history[-1]["observation"] if history else task.instruction
@@ -98,8 +113,14 @@ async def snapshot_session(
     )
     db_session.add(record)
     await db_session.commit()
-    logger.info("session %s: snapshot %s (backend %s)", session_id, record.id, snap.id)
     return record
+
+
+async def live_backend_snapshot_ids(*, db_session: AsyncSession, node: str) -> set[str]:
+    """Return the backend snapshots the not yet freed snapshot rows of ``node`` reference."""
+    rows = await db_session.scalars(
+        select(SnapshotRecord).where(SnapshotRecord.node == node, SnapshotRecord.freed_at.is_(None)))
+    return {backend_snapshot_id(r) for r in rows}
 
 
 async def fork_snapshot(
@@ -129,6 +150,12 @@ async def fork_snapshot(
     db_session.add_all(rows)
     await db_session.commit()
     ids = [r.id for r in rows]
+    await db_session.refresh(record)
+    if record.deleted_at is not None:  # its last holder let go while the forks were being added
+        for session_id in ids:
+            await sessions_service._finish(db_session, session_id, SessionState.FAILED,
+                                           error="the snapshot was deleted while the fork started")
+        raise NotFoundError(f"Snapshot {snapshot_id!r} does not exist.")
     try:
         terminal_task = await load_terminal_task(task)
         opened = await runtime.fork_session(
@@ -163,9 +190,17 @@ async def set_pinned(
     *, db_session: AsyncSession, runtime: WorkerRuntime, snapshot_id: str, pinned: bool
 ) -> SnapshotRecord:
     """Pin (keep until unpinned) or unpin a snapshot."""
-    record = await get_snapshot(db_session=db_session, snapshot_id=snapshot_id)
-    record.pinned = pinned
+    # One conditional UPDATE: a pin racing a delete either lands on a live snapshot or is a 404.
+    result = await db_session.execute(
+        update(SnapshotRecord)
+        .where(SnapshotRecord.id == snapshot_id, SnapshotRecord.deleted_at.is_(None))
+        .values(pinned=pinned)
+    )
     await db_session.commit()
+    if result.rowcount == 0:
+        raise NotFoundError(f"Snapshot {snapshot_id!r} does not exist.")
+    record = await get_snapshot(db_session=db_session, snapshot_id=snapshot_id)
+    await db_session.refresh(record)
     if not pinned:
         await collect_garbage(db_session=db_session, runtime=runtime, node=record.node)
     return record
@@ -178,29 +213,44 @@ async def delete_snapshot(*, db_session: AsyncSession, runtime: WorkerRuntime, s
         NotFoundError: no such snapshot.
         ConflictError: it is pinned (code ``snapshot_pinned``).
     """
+    # One conditional UPDATE: a delete racing a pin never marks a pinned snapshot deleted.
+    result = await db_session.execute(
+        update(SnapshotRecord)
+        .where(SnapshotRecord.id == snapshot_id, SnapshotRecord.deleted_at.is_(None),
+               SnapshotRecord.pinned.is_(False))
+        .values(deleted_at=utcnow())
+    )
+    await db_session.commit()
     record = await db_session.get(SnapshotRecord, snapshot_id)
     if record is None:
         raise NotFoundError(f"Snapshot {snapshot_id!r} does not exist.")
-    if record.deleted_at is not None:
-        return
-    if record.pinned:
+    await db_session.refresh(record)
+    if result.rowcount == 0 and record.deleted_at is None:
         raise ConflictError(f"Snapshot {snapshot_id!r} is pinned; unpin it before deleting it.",
                             code="snapshot_pinned")
-    record.deleted_at = utcnow()
-    await db_session.commit()
     await collect_garbage(db_session=db_session, runtime=runtime, node=record.node)
 
 
 async def collect_garbage(*, db_session: AsyncSession, runtime: WorkerRuntime, node: str) -> list[str]:
-    """Free the backend storage of deleted snapshots of ``node`` that nothing holds; return their ids."""
-    held = exists().where(EnvSession.snapshot_id == SnapshotRecord.id, EnvSession.state == SessionState.OPEN)
+    """Delete the snapshots of ``node`` that nothing holds and free their backend storage; return their ids.
+
+    Holders: an open fork, the pin, and (unless the snapshot was deleted) its open source session.
+    """
+    fork = aliased(EnvSession)
+    source = aliased(EnvSession)
+    forked_open = exists().where(fork.snapshot_id == SnapshotRecord.id, fork.state == SessionState.OPEN)
+    source_open = exists().where(source.id == SnapshotRecord.session_id, source.state == SessionState.OPEN)
     stmt = select(SnapshotRecord).where(
-        SnapshotRecord.node == node, SnapshotRecord.deleted_at.is_not(None), SnapshotRecord.freed_at.is_(None),
-        SnapshotRecord.pinned.is_(False), ~held,
+        SnapshotRecord.node == node, SnapshotRecord.freed_at.is_(None), SnapshotRecord.pinned.is_(False),
+        ~forked_open, or_(SnapshotRecord.deleted_at.is_not(None), ~source_open),
     )
     doomed = list((await db_session.scalars(stmt)).all())
     if not doomed:
         return []
+    now = utcnow()
+    for record in doomed:
+        if record.deleted_at is None:  # its session ended with nothing else holding it
+            record.deleted_at = now
     live = select(SnapshotRecord).where(SnapshotRecord.node == node, SnapshotRecord.freed_at.is_(None))
     live_rows = list((await db_session.scalars(live)).all())
     await db_session.commit()

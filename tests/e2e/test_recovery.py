@@ -106,3 +106,51 @@ def test_restart_mid_tree_fails_its_episodes_and_frees_its_snapshots(backend, tm
             assert len(list(client.rollouts.dead_letters(rollout.id))) == 3
     assert leftover_sandboxes(backend, node, tmp_path) == []
     assert {k: v for k, v in leftover_storage(backend, node, tmp_path).items() if v} == {}
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_restart_frees_session_snapshots_nothing_holds_and_keeps_pinned_ones(backend, tmp_path):
+    """After a crash: an unrecorded snapshot (taken, then the crash) and one only its session held go; a pin keeps."""
+    import asyncio
+
+    from sandboxes.backends import create_backend
+    from sandboxes.base import SandboxSpec
+
+    node = f"e2e-snap-crash-{backend}-{uuid.uuid4().hex[:6]}"
+    with run_gateway(backend, tmp_path, node=node) as gw:
+        with forkyard.Client(base_url=gw.url, api_key=gw.api_key) as client:
+            task = client.tasks.import_specs([ECHO_TASK])[0]
+            session = client.sessions.create(task.id)
+            session.step("bash", command="echo kept > /root/kept")
+            pinned = session.snapshot()
+            client.snapshots.pin(pinned.id)
+            session.step("bash", command="echo more > /root/more")
+            loose = session.snapshot()
+        gw.crash()
+
+    async def orphan() -> str:  # what a crash between the backend snapshot and its row leaves
+        sandboxes = create_backend(backend, node=node, root_dir=tmp_path / "sandboxes")
+        try:
+            (left,) = await sandboxes.list()
+            info = await sandboxes.create(SandboxSpec(image=left.image))
+            try:
+                await sandboxes.exec(info.id, "echo orphan > /root/orphan")
+                return (await sandboxes.snapshot(info.id, metadata={"forkyard.session": session.id})).id
+            finally:
+                await sandboxes.destroy(info.id)
+        finally:
+            await sandboxes.aclose()
+
+    orphan_id = asyncio.run(orphan())
+    assert orphan_id in leftover_storage(backend, node, tmp_path)["snapshots"]
+    with run_gateway(backend, tmp_path, node=node) as gw:
+        with forkyard.Client(base_url=gw.url, api_key=gw.api_key) as client:
+            assert client.sessions.get(session.id).state == "failed"
+            with pytest.raises(forkyard.NotFoundError):
+                client.snapshots.get(loose.id)  # only its (now failed) session held it
+            assert client.snapshots.get(pinned.id).pinned
+            with client.snapshots.fork(pinned.id, 1) as (fork,):
+                assert fork.step("bash", command="cat /root/kept").observation.startswith("kept")
+            client.snapshots.unpin(pinned.id)
+    assert leftover_sandboxes(backend, node, tmp_path) == []
+    assert {k: v for k, v in leftover_storage(backend, node, tmp_path).items() if v} == {}

@@ -66,15 +66,18 @@ def test_pin_unpin_delete_and_gc_after_forks_close(client, task_id):
     with client.sessions.create(task_id) as source:
         bash(source, "echo kept > /tmp/kept")
         snap = source.snapshot()
-    # Closing the source leaves the snapshot usable.
-    assert client.snapshots.pin(snap.id).pinned is True
+        loose = source.snapshot()
+        assert client.snapshots.pin(snap.id).pinned is True
+    # Closing the source freed the snapshot nothing else held; the pinned one stays usable.
+    with pytest.raises(forkyard.NotFoundError):
+        client.snapshots.get(loose.id)
     with pytest.raises(forkyard.ConflictError):
         client.snapshots.delete(snap.id)
     assert snap.id in [s.id for s in client.snapshots.list()]
-    assert client.snapshots.unpin(snap.id).pinned is False
     forks = client.snapshots.fork(snap.id, 2)
     with forks:
-        client.snapshots.delete(snap.id)  # held by the open forks: storage stays until they close
+        assert client.snapshots.unpin(snap.id).pinned is False  # the open forks hold it now
+        client.snapshots.delete(snap.id)  # storage stays until they close
         with pytest.raises(forkyard.NotFoundError):
             client.snapshots.get(snap.id)
         for fork in forks:

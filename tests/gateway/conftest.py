@@ -154,7 +154,7 @@ class FakeRuntime:
         self.reaped.extend(reaped)
         return reaped
 
-    async def sweep_transient_snapshots(self) -> list[str]:
+    async def sweep_transient_snapshots(self, keep_session_snapshots: set[str] | None = None) -> list[str]:
         return []  # the fake takes no tree or lazy-fork snapshots
 
     async def aclose(self) -> None:

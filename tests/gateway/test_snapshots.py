@@ -78,9 +78,32 @@ async def test_errors(gateway):
                      "validation_error")
     assert (await gateway.client.delete(f"/v1/sessions/{source['id']}")).status_code == 204
     assert_error(await gateway.client.post(f"/v1/sessions/{source['id']}/snapshot"), 409, "session_closed")
-    # Closing the source does not touch its snapshots.
-    assert (await gateway.client.get(f"/v1/snapshots/{snap['id']}")).status_code == 200
-    assert (await fork(gateway, snap["id"], 1))[0]["state"] == "open"
+    # Nothing held the snapshot but its source: closing the source deleted and freed it.
+    assert_error(await gateway.client.get(f"/v1/snapshots/{snap['id']}"), 404, "not_found")
+    assert gateway.runtime.snapshots == {}
+
+
+async def test_a_snapshot_lives_while_its_source_a_fork_or_its_pin_holds_it(gateway):
+    task = await gateway.import_task("holders")
+    source = await gateway.open_session(task["id"])
+    kept, forked, loose = [await snapshot(gateway, source["id"]) for _ in range(3)]
+    assert (await gateway.client.post(f"/v1/snapshots/{kept['id']}/pin")).json()["pinned"] is True
+    (child,) = await fork(gateway, forked["id"], 1)
+    assert child["state"] == "open" and len(gateway.runtime.snapshots) == 3
+    assert (await gateway.client.delete(f"/v1/sessions/{source['id']}")).status_code == 204
+    # The pinned one and the one with an open fork stay; the one only its source held is gone.
+    assert_error(await gateway.client.get(f"/v1/snapshots/{loose['id']}"), 404, "not_found")
+    listed = (await gateway.client.get("/v1/snapshots", params={"session_id": source["id"]})).json()["items"]
+    assert {s["id"] for s in listed} == {kept["id"], forked["id"]}
+    assert len(gateway.runtime.snapshots) == 2
+    assert (await fork(gateway, forked["id"], 1))[0]["state"] == "open"  # still usable while held
+    for session in (await gateway.client.get("/v1/sessions", params={"state": "open"})).json()["items"]:
+        assert (await gateway.client.delete(f"/v1/sessions/{session['id']}")).status_code == 204
+    assert_error(await gateway.client.get(f"/v1/snapshots/{forked['id']}"), 404, "not_found")
+    assert len(gateway.runtime.snapshots) == 1  # the pinned one
+    assert (await gateway.client.post(f"/v1/snapshots/{kept['id']}/unpin")).json()["pinned"] is False
+    assert gateway.runtime.snapshots == {}
+    assert_error(await gateway.client.post(f"/v1/snapshots/{kept['id']}/pin"), 404, "not_found")
 
 
 async def test_pin_blocks_delete_and_delete_frees_an_unheld_snapshot(gateway):

@@ -135,11 +135,11 @@ class Snapshots(Resource):
         self._client._request(_delete_request(snapshot_id))
 
     def pin(self, snapshot_id: str) -> Snapshot:
-        """Pin a snapshot so it cannot be deleted."""
+        """Pin a snapshot: it cannot be deleted, and it outlives its session and forks until unpinned."""
         return self._client._request(_pin_request(snapshot_id, True))
 
     def unpin(self, snapshot_id: str) -> Snapshot:
-        """Unpin a snapshot."""
+        """Unpin a snapshot; with no open source session or fork left holding it, it is deleted."""
         return self._client._request(_pin_request(snapshot_id, False))
 
 
@@ -171,9 +171,9 @@ class AsyncSnapshots(Resource):
         await self._client._request(_delete_request(snapshot_id))
 
     async def pin(self, snapshot_id: str) -> Snapshot:
-        """Pin a snapshot so it cannot be deleted."""
+        """Pin a snapshot: it cannot be deleted, and it outlives its session and forks until unpinned."""
         return await self._client._request(_pin_request(snapshot_id, True))
 
     async def unpin(self, snapshot_id: str) -> Snapshot:
-        """Unpin a snapshot."""
+        """Unpin a snapshot; with no open source session or fork left holding it, it is deleted."""
         return await self._client._request(_pin_request(snapshot_id, False))
