@@ -172,16 +172,28 @@ async def fork_snapshot(
         raise
     observation = record.state.get("observation") or task.instruction
     out = []
+    closed: list[str] = []
     for row, one in zip(rows, opened, strict=True):
         sandbox = one.sandbox
-        row.sandbox_id = sandbox.id
-        row.backend = sandbox.backend
-        db_session.add(Sandbox(
-            id=sandbox.id, node=sandbox.node, backend=sandbox.backend, state=sandbox.state, session_id=row.id,
-            task_id=task.id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC),
-        ))
+        # Conditional: a fork closed (DELETE) while its sandbox was being restored stays closed.
+        claimed = await db_session.execute(
+            update(EnvSession).where(EnvSession.id == row.id, EnvSession.state == SessionState.OPEN)
+            .values(sandbox_id=sandbox.id, backend=sandbox.backend)
+        )
+        await db_session.refresh(row)
+        if claimed.rowcount == 0:
+            closed.append(row.id)
+            await sessions_service._release(runtime, row.id)
+        else:
+            db_session.add(Sandbox(
+                id=sandbox.id, node=sandbox.node, backend=sandbox.backend, state=sandbox.state, session_id=row.id,
+                task_id=task.id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC),
+            ))
         out.append((row, type(one)(one.session_id, sandbox, observation, one.tools)))
     await db_session.commit()
+    if closed:
+        logger.info("snapshot %s: fork(s) %s closed while starting", record.id, ", ".join(closed))
+        await collect_garbage(db_session=db_session, runtime=runtime, node=node)
     logger.info("snapshot %s forked into %s", record.id, ", ".join(ids))
     return record, out
 

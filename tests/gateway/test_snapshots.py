@@ -159,3 +159,33 @@ async def test_fork_respects_the_open_session_limit(tmp_path):
         snap = await snapshot(gw, source["id"])
         assert_error(await client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 3}), 429, "rate_limited")
         assert len(await fork(gw, snap["id"], 2)) == 2
+
+
+async def test_a_fork_closed_while_it_starts_stays_closed_and_keeps_no_sandbox(gateway, monkeypatch):
+    import asyncio
+
+    task = await gateway.import_task("close-mid-fork")
+    source = await gateway.open_session(task["id"])
+    snap = await snapshot(gateway, source["id"])
+    started, release = asyncio.Event(), asyncio.Event()
+    real_fork = gateway.runtime.fork_session
+
+    async def slow_fork(*args, **kwargs):
+        started.set()
+        await release.wait()
+        return await real_fork(*args, **kwargs)
+
+    monkeypatch.setattr(gateway.runtime, "fork_session", slow_fork)
+    forking = asyncio.ensure_future(gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 2}))
+    await asyncio.wait_for(started.wait(), 10)
+    rows = (await gateway.client.get("/v1/sessions", params={"state": "open"})).json()["items"]
+    doomed = next(r["id"] for r in rows if r["id"] != source["id"])
+    assert (await gateway.client.delete(f"/v1/sessions/{doomed}")).status_code == 204  # before its sandbox exists
+    release.set()
+    response = await forking
+    assert response.status_code == 201, response.text
+    states = {f["id"]: f["state"] for f in response.json()["items"]}
+    assert states[doomed] == "closed" and sorted(states.values()) == ["closed", "open"]
+    assert (await gateway.client.get(f"/v1/sessions/{doomed}")).json()["state"] == "closed"
+    assert doomed not in gateway.runtime.sessions  # its sandbox went with it
+    assert set(gateway.runtime.sessions) == {source["id"]} | {i for i, st in states.items() if st == "open"}
