@@ -89,11 +89,8 @@ async def test_restore_into_a_cwd_that_is_gone_fails_and_leaves_nothing(lb, back
     assert [p.name for p in (backend_root / "sandboxes").iterdir()] == [info.id]
 
 
-async def test_a_snapshot_deleted_while_a_branch_mounts_it_keeps_its_layers(lb, monkeypatch):
-    """The overlay is mounted before meta.json names its layers: a delete in between must not free them."""
-    info = await lb.create(SandboxSpec(image=BASE_REF))
-    assert (await lb.exec(info.id, "echo kept > /kept")).exit_code == 0
-    snap = await lb.snapshot(info.id)
+async def while_mounting(monkeypatch, starting, meanwhile):
+    """Run ``starting`` (a create or restore), and ``meanwhile`` while its overlay is mounted but not yet recorded."""
     mounted, go_on = threading.Event(), threading.Event()
     real_mount = local._mount_overlay
 
@@ -104,13 +101,21 @@ async def test_a_snapshot_deleted_while_a_branch_mounts_it_keeps_its_layers(lb, 
         return ok
 
     monkeypatch.setattr(local, "_mount_overlay", mount_then_wait)
-    restoring = asyncio.create_task(lb.restore(snap))
+    task = asyncio.create_task(starting)
     try:
-        assert await asyncio.to_thread(mounted.wait, 30), "the restore never mounted its overlay"
-        await lb.delete_snapshot(snap.id)
+        assert await asyncio.to_thread(mounted.wait, 30), "the overlay was never mounted"
+        await meanwhile
     finally:
         go_on.set()
-    [branch] = await restoring
+    return await task
+
+
+async def test_a_snapshot_deleted_while_a_branch_mounts_it_keeps_its_layers(lb, monkeypatch):
+    """The overlay is mounted before meta.json names its layers: a delete in between must not free them."""
+    info = await lb.create(SandboxSpec(image=BASE_REF))
+    assert (await lb.exec(info.id, "echo kept > /kept")).exit_code == 0
+    snap = await lb.snapshot(info.id)
+    [branch] = await while_mounting(monkeypatch, lb.restore(snap), lb.delete_snapshot(snap.id))
 
     assert snap.id not in {s.id for s in await lb.list_snapshots()}
     assert await lb.read_file(branch.id, "/kept") == b"kept\n"
@@ -129,23 +134,7 @@ async def test_an_image_removed_while_a_sandbox_mounts_it_keeps_its_layers(lb, b
     await lb.commit(source.id, ref, ImageConfig())
     await lb.destroy(source.id)  # the image is now the only owner of its top layer
     layer = Path(json.loads((backend_root / f"images/forkyard/test/{tag}.json").read_text())["layers"][-1])
-    mounted, go_on = threading.Event(), threading.Event()
-    real_mount = local._mount_overlay
-
-    def mount_then_wait(*args):
-        ok = real_mount(*args)
-        mounted.set()
-        go_on.wait(30)
-        return ok
-
-    monkeypatch.setattr(local, "_mount_overlay", mount_then_wait)
-    creating = asyncio.create_task(lb.create(SandboxSpec(image=ref)))
-    try:
-        assert await asyncio.to_thread(mounted.wait, 30), "the create never mounted its overlay"
-        await lb.remove_image(ref)
-    finally:
-        go_on.set()
-    info = await creating
+    info = await while_mounting(monkeypatch, lb.create(SandboxSpec(image=ref)), lb.remove_image(ref))
     monkeypatch.undo()
 
     assert not await lb.has_image(ref)
