@@ -45,8 +45,9 @@ def build_runtime(settings: Settings) -> WorkerRuntime:
     from workers.setup_cache import SetupCache
 
     backend = create_backend(
-        settings.backend, node=settings.node, root_dir=settings.sandboxes_dir, docker_url=settings.docker_url
-    )
+        settings.backend, node=settings.node, root_dir=settings.sandboxes_dir, docker_url=settings.docker_url,
+        isolation=settings.isolation, runtime=settings.runtime,
+    )  # fmt: skip
     cache = None
     if settings.setup_cache.max_bytes > 0:
         assert settings.setup_cache.dir is not None

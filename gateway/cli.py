@@ -166,7 +166,8 @@ async def _build_base(settings: Settings, kinds: Sequence[str]) -> int:
     for kind in kinds:
         try:
             backend = create_backend(kind, node=settings.node, root_dir=settings.sandboxes_dir,
-                                     docker_url=settings.docker_url)
+                                     docker_url=settings.docker_url, isolation=settings.isolation,
+                                     runtime=settings.runtime)
         except SandboxError as exc:
             raise CLIError(f"backend {kind!r} is not usable here: {exc}") from exc
         try:

@@ -62,7 +62,14 @@ class Settings(BaseSettings):
     """Run ``alembic upgrade head`` at startup; when false, refuse to start unless the DB is at head."""
 
     backend: Literal["auto", "docker", "local"] = "auto"
-    """Sandbox backend: ``docker``, ``local`` (namespaces + overlayfs) or ``auto`` (docker if an engine answers)."""
+    """Sandbox backend: ``docker``, ``local`` (an OCI runtime over overlayfs) or ``auto`` (docker if an engine answers)."""
+
+    isolation: Literal["standard", "gvisor"] = "standard"
+    """Local sandboxes' tier: ``standard`` (crun or runc: namespaces, seccomp, a user namespace) or
+    ``gvisor`` (runsc: a user-space kernel between the agent and the host's)."""
+
+    runtime: Literal["crun", "runc", "runsc"] | None = None
+    """Insist on this OCI runtime for local sandboxes; default: the tier's first one installed."""
 
     node: str = Field(default_factory=socket.gethostname)
     """Name of this node; sandboxes and sessions are stamped with it."""

@@ -34,9 +34,18 @@ def docker_available(docker_url: str | None = None) -> bool:
 
 
 def create_backend(
-    kind: str, *, node: str, root_dir: str | os.PathLike, docker_url: str | None = None
+    kind: str,
+    *,
+    node: str,
+    root_dir: str | os.PathLike,
+    docker_url: str | None = None,
+    isolation: str = "standard",
+    runtime: str | None = None,
 ) -> SandboxBackend:
     """Build the ``local``, ``docker`` or (``auto``) best available sandbox backend.
+
+    ``isolation`` and ``runtime`` choose the local backend's tier and OCI runtime
+    (:mod:`sandboxes.oci`); ``auto`` picks local only if that tier can run here.
 
     Raises:
         BackendUnavailableError: the host cannot run the chosen backend.
@@ -50,7 +59,7 @@ def create_backend(
     if kind == "local":
         from sandboxes.local import LocalBackend
 
-        return LocalBackend(Path(root_dir), node)
+        return LocalBackend(Path(root_dir), node, isolation=isolation, runtime=runtime)
     try:
         from sandboxes.docker import DockerBackend
     except ImportError as exc:

@@ -76,6 +76,7 @@ from sandboxes.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
+from sandboxes.oci import nofile_limit
 from sandboxes.procs import (
     child_pids,
     descendants,
@@ -551,6 +552,11 @@ class DockerBackend:
             "pids_limit": int(res.pids),
             "nano_cpus": int(res.cpus * 1e9),
             "init": self._init or None,
+            # As the local backend's spec (sandboxes.oci): no device nodes, no chroot, no setuid
+            # elevation, a bounded file table.
+            "cap_drop": ["MKNOD", "SYS_CHROOT"],
+            "security_opt": ["no-new-privileges"],
+            "ulimits": [docker.types.Ulimit(name="nofile", soft=nofile_limit(), hard=nofile_limit())],
         }
         if spec.workdir:
             kwargs["working_dir"] = normalize_sandbox_path(spec.workdir)

@@ -168,8 +168,10 @@ def read_in_root(root: str | os.PathLike | int, path: str) -> bytes:
             os.close(rootfd)
 
 
-def mkdirs_in_root(root: str | os.PathLike | int, path: str, mode: int = 0o755) -> None:
-    """Create directory ``path`` and its missing parents inside ``root``."""
+def mkdirs_in_root(
+    root: str | os.PathLike | int, path: str, mode: int = 0o755, owner: tuple[int, int] | None = None
+) -> None:
+    """Create directory ``path`` and its missing parents inside ``root``, owned by ``owner`` (uid, gid) if given."""
     rootfd, owned = _with_root(root)
     try:
         parts = [p for p in path.split("/") if p not in ("", ".")]
@@ -184,6 +186,8 @@ def mkdirs_in_root(root: str | os.PathLike | int, path: str, mode: int = 0o755) 
             try:
                 # One plain name relative to an already-confined directory cannot escape.
                 os.mkdir(parts[i], mode, dir_fd=parent)
+                if owner is not None:
+                    os.chown(parts[i], *owner, dir_fd=parent, follow_symlinks=False)
             except FileExistsError:
                 pass
             finally:
@@ -196,16 +200,27 @@ def mkdirs_in_root(root: str | os.PathLike | int, path: str, mode: int = 0o755) 
 
 
 def write_in_root(
-    root: str | os.PathLike | int, path: str, data: bytes, mode: int = 0o644, make_parents: bool = True
+    root: str | os.PathLike | int,
+    path: str,
+    data: bytes,
+    mode: int = 0o644,
+    make_parents: bool = True,
+    owner: tuple[int, int] | None = None,
 ) -> None:
-    """Write ``data`` to ``path`` inside ``root`` with permission bits ``mode``."""
+    """Write ``data`` to ``path`` inside ``root`` with permission bits ``mode``.
+
+    A file or directory this makes belongs to ``owner`` (uid, gid) if given; an existing
+    file keeps its owner.
+    """
     rootfd, owned = _with_root(root)
     try:
         parent = path.rstrip("/").rsplit("/", 1)[0] if "/" in path.rstrip("/") else ""
         if make_parents and parent:
-            mkdirs_in_root(rootfd, parent)
+            mkdirs_in_root(rootfd, parent, owner=owner)
         try:
             fd = open_in_root(rootfd, path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode & 0o7777)
+            if owner is not None:
+                os.fchown(fd, *owner)
         except FileExistsError:
             fd = open_file_in_root(rootfd, path, os.O_WRONLY | os.O_TRUNC)
         try:

@@ -1,24 +1,31 @@
-"""The ``local`` backend: Linux namespaces + overlayfs layers, no daemon.
+"""The ``local`` backend: overlayfs layers under an audited OCI runtime (crun or runc), no daemon.
 
-Layout under ``root_dir``::
+Layout under ``root_dir`` (mode 0700: no host user but root enters it)::
 
-    images/<name>/<tag>.json    {"layers": [abs dirs, bottom..top], "config": {env, workdir, user}}
-    layers/<id>/                 frozen upper dirs (commit, snapshot) and squashed layers
+    images/<name>/<tag>.json    {"layers": [abs dirs, bottom..top], "config": {env, workdir, user}, "uid_base"}
+    layers/<id>/                 frozen upper dirs (commit, snapshot), squashed layers, imported root filesystems
     snapshots/<id>.json          snapshots: layer list, shell state, source (see snapshot())
-    sandboxes/<id>/{upper,work,merged,meta.json}
+    sandboxes/<id>/{upper,work,config.json,run/,meta.json}
+
+and each sandbox's overlay is mounted on ``/run/forkyard/<hash of root_dir>/sandboxes/<id>``:
+the runtime sets the rootfs up from inside the sandbox's user namespace, so that path must
+be one the sandbox's root may walk (0710, group of the sandboxes' root), wherever root_dir is.
 
 A sandbox is an overlay mount (the image's layers read-only below a private upper
-dir) and one persistent ``bash`` in fresh mount, pid, ipc, uts and (unless
-``spec.network``) net namespaces, chrooted into the overlay by ``unshare --root``
-and kept inside a cgroup with the spec's memory, pids and CPU limits. The bash is
-pid 1 of its pid namespace, so killing it takes every process of the sandbox with
-it. Where the image has ``setpriv`` the shell also loses the capabilities Docker
-drops by default plus ``mknod`` and ``sys_chroot`` (chroot would undo ``--root``).
+dir, nosuid and nodev) and one persistent ``bash`` that an OCI runtime starts in it
+from a generated ``config.json`` (:mod:`sandboxes.oci`): fresh user, mount, pid, ipc,
+uts and net namespaces, the seccomp filter of :mod:`sandboxes.seccomp`, masked and
+read-only ``/proc`` paths, a minimal ``/dev``, ``no_new_privs``, Docker's default
+capabilities less mknod and sys_chroot. Root inside is :data:`~sandboxes.oci.UID_BASE`
+outside: every layer is stored with its ids shifted by that much (an imported rootfs
+is copied once, shifted), so files the agent makes belong to no host user. The bash is
+pid 1 of its pid namespace, so killing it takes every process of the sandbox with it;
+a cgroup holds the spec's memory, pids and CPU limits.
 
 Nothing slow sits on the hot paths: create is a handful of syscalls (in a worker
 thread, so that many creates at once keep both the event loop and the kernel busy),
-the execs of ``unshare``, ``setpriv`` and ``bash``, and one round trip through the
-shell; a restored branch's shell starts with the snapshot's exports and goes to its
+the runtime's exec of ``bash`` (crun: a few milliseconds), and one round trip through
+the shell; a restored branch's shell starts with the snapshot's exports and goes to its
 cwd in that same round trip. Exec is one write to the shell and the read of its
 output; files are read and written host-side through the overlay with
 ``openat2(RESOLVE_IN_ROOT)``.
@@ -32,7 +39,6 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
-import fcntl
 import functools
 import hashlib
 import json
@@ -42,9 +48,7 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import stat
-import struct
 import subprocess
 import time
 from collections import Counter
@@ -79,6 +83,16 @@ from sandboxes.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
+from sandboxes.oci import (
+    DEFAULT_ISOLATION,
+    UID_BASE,
+    UID_COUNT,
+    container_spec,
+    crun_cgroup_problem,
+    find_runtime,
+    runtime_problem,
+    user_namespace_problem,
+)
 from sandboxes.procs import (
     child_pids,
     kill_descendants_since,
@@ -110,20 +124,14 @@ logger = logging.getLogger(__name__)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 MNT_DETACH = 2
-CLONE_NEWNET = 0x40000000
-CLONE_NEWUTS = 0x04000000
-SIOCGIFFLAGS = 0x8913
-SIOCSIFFLAGS = 0x8914
-IFF_UP = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+#: Where sandboxes' overlays are mounted (see the module docstring).
+MOUNTS_ROOT = Path("/run/forkyard")
+#: Host ids of the sandbox's root: what files the host writes into a sandbox belong to.
+ROOT_OWNER = (UID_BASE, UID_BASE)
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-#: Docker's default capability set, less mknod and sys_chroot.
-KEEP_CAPS = (
-    "chown", "dac_override", "fowner", "fsetid", "kill", "setgid", "setuid", "setpcap",
-    "net_bind_service", "net_raw", "audit_write", "setfcap",
-)  # fmt: skip
-#: Device nodes every sandbox gets in /dev when its image lacks them.
-DEVICES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
 READY_TIMEOUT_S = 30.0
 #: After killing a timed-out command, how long the shell gets to print its marker.
 KILL_GRACE_S = 2.0
@@ -151,37 +159,15 @@ def has_overlayfs() -> bool:
         return False
 
 
-def find_unshare() -> str | None:
-    """Return the path of util-linux ``unshare``, or None."""
-    return shutil.which("unshare") or next(
-        (p for p in ("/usr/bin/unshare", "/bin/unshare") if os.access(p, os.X_OK)), None
-    )
-
-
-@functools.lru_cache(maxsize=4)
-def unshare_is_recent(path: str) -> bool:
-    """Tell whether ``unshare`` has --root, --wd, --kill-child and --mount-proc (util-linux 2.36+).
-
-    Those versions chroot into --root before mounting /proc, which the sandbox relies on.
-    """
-    try:
-        out = subprocess.run([path, "--help"], check=False, capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return all(opt in out for opt in ("--root", "--wd", "--kill-child", "--mount-proc"))
-
-
-def host_problem(cgroup_root: Path = CGROUP_ROOT) -> str | None:
-    """Return one sentence saying why this host cannot run local sandboxes, or None."""
+def host_problem(cgroup_root: Path = CGROUP_ROOT, isolation: str = DEFAULT_ISOLATION) -> str | None:
+    """Return one sentence saying why this host cannot run local sandboxes of tier ``isolation``, or None."""
     if not is_root():
-        return "the local sandbox backend must run as root (it mounts overlays and creates namespaces)"
+        return "the local sandbox backend must run as root (it mounts overlays and starts an OCI runtime)"
     if not has_overlayfs():
         return "the local sandbox backend needs overlayfs, which this kernel does not offer (try `modprobe overlay`)"
-    unshare = find_unshare()
-    if unshare is None:
-        return "the local sandbox backend needs the `unshare` program from util-linux, which is not installed"
-    if not unshare_is_recent(unshare):
-        return f"the local sandbox backend needs util-linux 2.36 or newer, and {unshare} lacks --root/--wd/--kill-child"
+    problem = user_namespace_problem() or runtime_problem(isolation, cgroup_root=cgroup_root)
+    if problem is not None:
+        return problem
     if cgroup_version(cgroup_root) == 0:
         return f"the local sandbox backend needs cgroups, and none are mounted at {cgroup_root}"
     missing = [c for c in REQUIRED_CONTROLLERS if c not in available_controllers(cgroup_root)]
@@ -214,6 +200,34 @@ def _check_layer_path(path: str) -> None:
         raise SandboxError(f"path {path!r} cannot be an overlay layer: it contains ',', ':' or '\\'")
 
 
+def rootfs_signature(root: Path) -> str:
+    """Return a digest of the names, types, modes, owners, sizes and mtimes under ``root`` (no content read)."""
+    digest = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted([*dirnames, *filenames]):
+            full = os.path.join(dirpath, name)
+            st = os.lstat(full)
+            rel = os.path.relpath(full, root)
+            digest.update(f"{rel}\0{st.st_mode}\0{st.st_uid}\0{st.st_gid}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_rdev}\n".encode(errors="surrogateescape"))
+    return digest.hexdigest()
+
+
+def shift_ids(root: Path, base: int) -> None:
+    """Add ``base`` to the uid and gid of every file under ``root`` (ids past UID_COUNT become nobody's)."""
+
+    def shifted(value: int) -> int:
+        return base + (value if value < UID_COUNT else UID_COUNT - 2)
+
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames] + (["."] if dirpath == str(root) else []):
+            full = os.path.join(dirpath, name)
+            st = os.lstat(full)
+            os.lchown(full, shifted(st.st_uid), shifted(st.st_gid))
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                os.chmod(full, stat.S_IMODE(st.st_mode))  # chown cleared them
+
+
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
     with open(tmp, "w") as fh:
@@ -241,14 +255,15 @@ def _mount_overlay(lowers: list[str], upper: Path, work: Path, merged: Path, vol
     tries = [opts + ",volatile", opts] if volatile else [opts]
     err = 0
     for data in tries:
-        if _libc.mount(b"overlay", os.fsencode(merged), b"overlay", 0, data.encode()) == 0:
+        if _libc.mount(b"overlay", os.fsencode(merged), b"overlay", MS_NOSUID | MS_NODEV, data.encode()) == 0:
             return data.endswith(",volatile")
         err = ctypes.get_errno()
         if err != errno.EINVAL:
             break
     # mount(8) knows tricks we do not (e.g. the new mount API for very long option strings).
     proc = subprocess.run(
-        ["mount", "-t", "overlay", "overlay", "-o", opts, str(merged)], check=False, capture_output=True, text=True
+        ["mount", "-t", "overlay", "overlay", "-o", f"nosuid,nodev,{opts}", str(merged)],
+        check=False, capture_output=True, text=True,
     )
     if proc.returncode != 0:
         raise SandboxError(
@@ -318,49 +333,8 @@ def _enter_cgroup(cgroup: SandboxCgroup, pid: int, limits: Resources | None) -> 
         logger.debug("process %s could not join cgroup %s: %s", pid, cgroup.name, exc)
 
 
-def _setup_namespaces(pid: int, hostname: str, loopback: bool) -> None:
-    """Name the sandbox's UTS namespace and bring its loopback up; call it from a throwaway thread.
-
-    setns(2) moves only the calling thread, in and out again.
-    """
-    fds: list[int] = []
-    try:
-        own_uts = os.open("/proc/thread-self/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
-        fds.append(own_uts)
-        uts = os.open(f"/proc/{pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
-        fds.append(uts)
-        name = hostname.encode()
-        if _libc.setns(uts, CLONE_NEWUTS) != 0:
-            raise OSError(ctypes.get_errno(), "setns(uts)")
-        try:
-            if _libc.sethostname(name, len(name)) != 0:
-                raise OSError(ctypes.get_errno(), "sethostname")
-        finally:
-            if _libc.setns(own_uts, CLONE_NEWUTS) != 0:
-                raise OSError(ctypes.get_errno(), "setns back (uts)")
-        if loopback:
-            own_net = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            fds.append(own_net)
-            net = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            fds.append(net)
-            if _libc.setns(net, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), "setns(net)")
-            try:
-                sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # lives in the sandbox's netns
-            finally:
-                if _libc.setns(own_net, CLONE_NEWNET) != 0:
-                    raise OSError(ctypes.get_errno(), "setns back (net)")
-            with sock:
-                req = struct.pack("16sh22x", b"lo", 0)
-                flags = struct.unpack("16sh", fcntl.ioctl(sock, SIOCGIFFLAGS, req)[:18])[1]
-                fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", flags | IFF_UP))
-    finally:
-        for fd in fds:
-            os.close(fd)
-
-
 class _ShellProcess:
-    """The shell's process (unshare) and its pipes: output feeds the channel, the exit resolves ``exited``.
+    """The shell's process (the OCI runtime) and its pipes: output feeds the channel, the exit resolves ``exited``.
 
     Not asyncio's subprocess transport: that forks in the event loop's thread (a vfork
     holds the caller until the child has exec'd, a millisecond or more while many
@@ -452,7 +426,7 @@ class _ShellProcess:
         self._loop.call_later(1.0, self.channel.feed_eof)
 
     def close(self) -> None:
-        """Close the pipes and kill the process if it still runs (``--kill-child`` takes the bash)."""
+        """Close the pipes and kill the process if it still runs."""
         if self._closed:
             return
         self._closed = True
@@ -479,7 +453,7 @@ class _Output(asyncio.Protocol):
 @dataclass
 class _Shell:
     process: _ShellProcess
-    pid: int  # unshare, our child
+    pid: int  # the runtime, our child
     init_pid: int  # the bash, pid 1 of the sandbox's pid namespace
     init_start: int | None
 
@@ -494,6 +468,7 @@ class _User:
     gid: int
     name: str | None
     home: str
+    groups: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -516,19 +491,18 @@ class _Sandbox:
     workdir: str
     env: dict[str, str]
     user: _User | None
-    setpriv: str | None
     cgroup: SandboxCgroup
     rootfd: int
     created_at: float
     labels: dict[str, str]
+    merged: Path
     state: SandboxState = SandboxState.STARTING
     shell: _Shell | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     destroyed: bool = False
+    starts: int = 0
+    """Shells started so far; each runs as container ``shell-<n>`` of the runtime."""
 
-    @property
-    def merged(self) -> Path:
-        return self.dir / "merged"
 
 
 class LocalBackend:
@@ -536,15 +510,48 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, root_dir: str | os.PathLike, node: str, *, cgroup_root: Path = CGROUP_ROOT) -> None:
-        problem = host_problem(cgroup_root)
+    def __init__(
+        self,
+        root_dir: str | os.PathLike,
+        node: str,
+        *,
+        cgroup_root: Path = CGROUP_ROOT,
+        isolation: str = DEFAULT_ISOLATION,
+        runtime: str | None = None,
+    ) -> None:
+        """Open the backend over ``root_dir`` (made 0700).
+
+        Args:
+            isolation: ``standard`` (crun, else runc) or ``gvisor`` (runsc).
+            runtime: insist on this runtime of the tier (``crun``, ``runc``, ``runsc``).
+        """
+        problem = host_problem(cgroup_root, isolation) or runtime_problem(
+            isolation, preferred=runtime, cgroup_root=cgroup_root
+        )
         if problem is not None:
             raise BackendUnavailableError(problem[0].upper() + problem[1:] + ".")
         self.node = node
         self.root_dir = Path(root_dir).absolute()
         _check_layer_path(str(self.root_dir))
         self.cgroup_root = Path(cgroup_root)
-        self._unshare = find_unshare()
+        self.isolation = isolation
+        found = find_runtime(isolation, preferred=runtime, cgroup_root=cgroup_root)
+        assert found is not None  # runtime_problem said it is there
+        self.runtime = found
+        if found.name == "runc" and runtime is None:
+            logger.warning(
+                "local sandboxes run under runc, which starts each in ~40 ms (crun takes ~5): %s",
+                crun_cgroup_problem(cgroup_root) or "crun is not installed (apt-get install crun)",
+            )
+        # No host user but root may enter: the layers hold files made by agents.
+        self.root_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root_dir, 0o700)
+        key = hashlib.sha256(str(self.root_dir).encode()).hexdigest()[:16]
+        self._mounts_dir = MOUNTS_ROOT / key / "sandboxes"
+        for d in (MOUNTS_ROOT, MOUNTS_ROOT / key, self._mounts_dir):
+            d.mkdir(exist_ok=True)
+            os.chown(d, 0, UID_BASE)  # walkable by root and by the sandboxes' root, by nobody else
+            os.chmod(d, 0o710)
         self._images = self.root_dir / "images"
         self._layers = self.root_dir / "layers"
         self._sandboxes_dir = self.root_dir / "sandboxes"
@@ -560,7 +567,6 @@ class LocalBackend:
         """Layers that creates and restores in flight mount before any meta.json names them; the layer GC keeps them."""
         self._volatile = True
         self._closed = False
-        self._warned_images: set[str] = set()
 
     # ----------------------------------------------------------------- images
 
@@ -568,26 +574,82 @@ class LocalBackend:
         name, tag = parse_image_ref(image)
         return self._images / name / f"{tag}.json"
 
-    def _load_manifest(self, image: str) -> dict:
+    def _load_manifest(self, image: str, *, usable: bool = False) -> dict:
         try:
             with open(self._manifest_path(image)) as fh:
-                return json.load(fh)
+                manifest = json.load(fh)
         except FileNotFoundError:
             raise ImageNotFoundError(f"image {image!r} is not known to the local backend") from None
+        if usable and manifest.get("uid_base") != UID_BASE:
+            raise ImageNotFoundError(
+                f"image {image!r} was stored by an older Forkyard whose sandboxes had no user namespace; "
+                "import or build it again"
+            )
+        return manifest
 
     async def import_rootfs(self, rootfs: str, image: str, config: ImageConfig) -> None:
-        """Register directory ``rootfs`` as the single layer of ``image`` (no copy is made)."""
+        """Register a copy of directory ``rootfs``, ids shifted to the sandboxes' range, as ``image``.
+
+        The shifted copy is made once per content: it sits beside ``rootfs`` (in a 0700
+        directory) where that is writable, else under root_dir/layers, and a re-import of
+        the same tree reuses it.
+        """
         path = Path(rootfs).absolute()
         if not path.is_dir():
             raise SandboxError(f"root filesystem {rootfs} is not a directory")
         _check_layer_path(str(path))
         manifest = self._manifest_path(image)
-        manifest.parent.mkdir(parents=True, exist_ok=True)
-        _write_json(manifest, {"layers": [str(path)], "config": _config_to_json(config), "created_at": time.time()})
+        async with self._images_lock:  # no layer GC between the copy and its manifest
+            layer = await asyncio.to_thread(self._shifted_copy, path)
+            manifest.parent.mkdir(parents=True, exist_ok=True)
+            _write_json(
+                manifest,
+                {"layers": [str(layer)], "config": _config_to_json(config), "created_at": time.time(),
+                 "uid_base": UID_BASE, "source": str(path)},
+            )  # fmt: skip
+
+    def _shifted_copy(self, source: Path) -> Path:
+        """Return a copy of ``source`` with every uid and gid shifted by UID_BASE, making it if needed (blocking)."""
+        key = rootfs_signature(source)[:24]
+        homes = [source.parent / f".forkyard-uid{UID_BASE}", self._layers]
+        for home in homes:
+            try:
+                home.mkdir(mode=0o700, exist_ok=True)
+                os.chmod(home, 0o700)
+                final = home / f"rootfs-{key}"
+                if final.is_dir():
+                    return final
+                tmp = home / f".tmp-rootfs-{secrets.token_hex(8)}"
+                break
+            except OSError:
+                continue
+        else:
+            raise SandboxError(f"no writable place for the shifted copy of {source} (tried {homes[0]} and {homes[1]})")
+        proc = subprocess.run(
+            ["cp", "-a", "--reflink=auto", "--", f"{source}/.", str(tmp)], check=False, capture_output=True, text=True
+        )
+        try:
+            if proc.returncode != 0:
+                raise SandboxError(f"cannot copy root filesystem {source}: {proc.stderr.strip()[-300:]}")
+            shift_ids(tmp, UID_BASE)
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another process made the same copy meanwhile
+                if not final.is_dir():
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        logger.info("imported root filesystem %s as %s (ids shifted by %d)", source, final, UID_BASE)
+        return final
 
     async def has_image(self, image: str) -> bool:
-        """Tell whether ``image`` has a manifest here."""
-        return self._manifest_path(image).is_file()
+        """Tell whether ``image`` has a manifest here whose layers are in the sandboxes' id range."""
+        try:
+            return self._load_manifest(image).get("uid_base") == UID_BASE
+        except (ImageNotFoundError, OSError, ValueError):
+            return False
 
     async def image_digest(self, image: str) -> str:
         """Return the sha256 of ``image``'s layer list and config (a rebuild makes new layers, so a new digest)."""
@@ -674,7 +736,8 @@ class LocalBackend:
             manifest.parent.mkdir(parents=True, exist_ok=True)
             _write_json(
                 manifest,
-                {"layers": [*layers, str(layer)], "config": _config_to_json(config), "created_at": time.time()},
+                {"layers": [*layers, str(layer)], "config": _config_to_json(config), "created_at": time.time(),
+                 "uid_base": UID_BASE},
             )
 
     # -------------------------------------------------------------- snapshots
@@ -855,6 +918,9 @@ class LocalBackend:
 
     # -------------------------------------------------------------- sandboxes
 
+    def _merged_dir(self, sandbox_id: str) -> Path:
+        return self._mounts_dir / sandbox_id
+
     def _sandbox_dir(self, sandbox_id: str) -> Path:
         if not _ID_RE.fullmatch(sandbox_id):
             raise SandboxNotFoundError(f"no sandbox {sandbox_id!r} on node {self.node!r}")
@@ -905,7 +971,7 @@ class LocalBackend:
             raise SandboxError(f"resources must be positive, got {res}")
         if source is not None:  # restore() keeps the snapshot's layers pinned
             return await self._create_on(spec, list(source.layers), source.config, source)
-        manifest = self._load_manifest(spec.image)
+        manifest = self._load_manifest(spec.image, usable=True)
         layers = list(manifest["layers"])
         with self._pinned(tuple(layers)):  # no await since the read: remove_image() cannot come between
             return await self._create_on(spec, layers, _config_from_json(manifest.get("config") or {}), None)
@@ -960,13 +1026,17 @@ class LocalBackend:
             sdir.mkdir()
         except FileExistsError:
             return None
-        for sub in ("upper", "work", "merged"):
+        for sub in ("upper", "work", "run"):
             (sdir / sub).mkdir()
+        merged = self._merged_dir(sid)
+        merged.mkdir(exist_ok=True)
+        # The overlay's root takes the upper dir's owner and mode: root of the sandbox, not of the host.
+        os.chown(sdir / "upper", UID_BASE, UID_BASE)
         workdir = normalize_sandbox_path(spec.workdir or config.workdir or "/")
         rootfd = -1
         try:
-            self._volatile = _mount_overlay(layers, sdir / "upper", sdir / "work", sdir / "merged", self._volatile)
-            rootfd = os.open(sdir / "merged", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            self._volatile = _mount_overlay(layers, sdir / "upper", sdir / "work", merged, self._volatile)
+            rootfd = os.open(merged, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             if source is None:
                 self._prepare_rootfs(rootfd, workdir)
             user = self._resolve_user(rootfd, config.user)
@@ -979,8 +1049,8 @@ class LocalBackend:
             cgroup = SandboxCgroup(sid, root=self.cgroup_root)
             sb = _Sandbox(
                 id=sid, dir=sdir, image=spec.image, layers=layers, spec=spec, config=config, workdir=workdir,
-                env=env, user=user, setpriv=self._find_setpriv(rootfd), cgroup=cgroup, rootfd=rootfd,
-                created_at=time.time(), labels={**spec.labels, LABEL_NODE: self.node},
+                env=env, user=user, cgroup=cgroup, rootfd=rootfd,
+                created_at=time.time(), labels={**spec.labels, LABEL_NODE: self.node}, merged=merged,
             )  # fmt: skip
             self._write_meta(sb)
         except BaseException:
@@ -989,48 +1059,10 @@ class LocalBackend:
             raise
         return sb
 
-    def _prepare_rootfs(self, rootfd: int, workdir: str) -> None:
-        """Make sure /dev has the basic device nodes, /proc exists and the workdir exists."""
-        fs.mkdirs_in_root(rootfd, "/dev")
-        devfd = fs.open_in_root(rootfd, "/dev", os.O_PATH | os.O_DIRECTORY)
-        try:
-            for name, (major, minor) in DEVICES.items():
-                try:
-                    os.stat(name, dir_fd=devfd, follow_symlinks=False)
-                except FileNotFoundError:
-                    os.mknod(name, stat.S_IFCHR | 0o666, os.makedev(major, minor), dir_fd=devfd)
-                    os.chmod(name, 0o666, dir_fd=devfd)
-            for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                                 ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):  # fmt: skip
-                try:
-                    os.symlink(target, name, dir_fd=devfd)
-                except FileExistsError:
-                    pass
-            for name, mode in (("pts", 0o755), ("shm", 0o1777)):
-                try:
-                    os.mkdir(name, mode, dir_fd=devfd)
-                    os.chmod(name, mode, dir_fd=devfd)  # past the umask
-                except FileExistsError:
-                    pass
-        finally:
-            os.close(devfd)
-        fs.mkdirs_in_root(rootfd, "/proc")
-        fs.mkdirs_in_root(rootfd, workdir)
-
     @staticmethod
-    def _find_setpriv(rootfd: int) -> str | None:
-        for path in ("/usr/bin/setpriv", "/bin/setpriv"):
-            try:
-                fd = fs.open_in_root(rootfd, path, os.O_PATH)
-            except OSError:
-                continue
-            try:
-                st = os.fstat(fd)
-            finally:
-                os.close(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_mode & 0o111:
-                return path
-        return None
+    def _prepare_rootfs(rootfd: int, workdir: str) -> None:
+        """Make sure the workdir exists (the runtime makes /dev, /proc and /sys)."""
+        fs.mkdirs_in_root(rootfd, workdir, owner=ROOT_OWNER)
 
     @staticmethod
     def _resolve_user(rootfd: int, spec: str) -> _User | None:
@@ -1062,26 +1094,22 @@ class LocalBackend:
                 gid = int(row[2])
         if uid == 0 and gid == 0:
             return None
-        return _User(uid=uid, gid=gid, name=entry[0] if entry else None, home=entry[5] if entry else "/")
+        name = entry[0] if entry else None
+        groups = sorted({int(r[2]) for r in table("/etc/group") if len(r) >= 4 and name and name in r[3].split(",")} - {gid})
+        return _User(uid=uid, gid=gid, name=name, home=entry[5] if entry else "/", groups=tuple(groups))
 
-    def _shell_argv(self, sb: _Sandbox, cwd: str) -> list[str]:
-        argv = [self._unshare, "--mount", "--pid", "--ipc", "--uts"]
-        if not sb.spec.network:
-            argv.append("--net")
-        argv += ["--fork", "--kill-child", "--mount-proc", f"--root={sb.merged}", f"--wd={cwd}"]
-        if sb.setpriv:
-            argv.append(sb.setpriv)
-            if sb.user is not None:
-                argv += [f"--reuid={sb.user.uid}", f"--regid={sb.user.gid}"]
-                argv.append("--init-groups" if sb.user.name else "--clear-groups")
-            argv += ["--bounding-set=-all," + ",".join(f"+{c}" for c in KEEP_CAPS), "--"]
-        else:
-            if sb.image not in self._warned_images:
-                self._warned_images.add(sb.image)
-                logger.warning("image %s has no setpriv: its sandboxes keep every root capability", sb.image)
-            if sb.user is not None:
-                argv += [f"--setgid={sb.user.gid}", f"--setuid={sb.user.uid}"]
-        return argv + ["/bin/bash", "--noprofile", "--norc"]
+    def _shell_argv(self, sb: _Sandbox, cwd: str, env: Mapping[str, str]) -> list[str]:
+        """Write the bundle's config.json for a shell in ``cwd`` with ``env``; return the runtime's command."""
+        sb.starts += 1
+        user = sb.user
+        spec = container_spec(
+            args=["/bin/bash", "--noprofile", "--norc"], env=env, cwd=cwd,
+            uid=user.uid if user else 0, gid=user.gid if user else 0, additional_gids=user.groups if user else (),
+            hostname=sb.id, network_namespace=None, private_network=not sb.spec.network,
+        )  # fmt: skip
+        spec["root"]["path"] = str(sb.merged)
+        _write_json(sb.dir / "config.json", spec)
+        return self.runtime.run_argv(str(sb.dir), f"shell-{sb.starts}", str(sb.dir / "run"))
 
     async def _start_shell(
         self,
@@ -1098,14 +1126,14 @@ class LocalBackend:
         Then the shell joins the cgroup, gets its hostname and loopback, and is recorded in
         meta.json with the sandbox in ``state``.
         """
-        # unshare and setpriv would load the locale too (a few hundred microseconds each);
-        # only the bash needs it, so it exports the locale variables in its first command.
+        # Loading the locale costs every program a few hundred microseconds; only the bash
+        # needs it, so it exports the locale variables in its first command.
         env = {k: v for k, v in sb.env.items() if not _LOCALE_VAR.fullmatch(k)}
         ready = "".join(f"export {k}={ansi_c_quote(v)}; " for k, v in sb.env.items() if k not in env) + ready
-        process = await _ShellProcess.spawn(self._shell_argv(sb, cwd), env)
+        process = await _ShellProcess.spawn(self._shell_argv(sb, cwd, env), {"PATH": DEFAULT_PATH})
         shell = _Shell(process=process, pid=process.pid, init_pid=0, init_start=None)
         # Joining a cgroup waits for an RCU grace period (milliseconds) unless a process joined
-        # one just before, so the cgroup is made and unshare joins it from a thread while the
+        # one just before, so the cgroup is made and the runtime joins it from a thread while the
         # shell starts.
         joining = _in_fresh_thread(functools.partial(_enter_cgroup, sb.cgroup, shell.pid, limits))
         finishing: asyncio.Future | None = None
@@ -1141,28 +1169,27 @@ class LocalBackend:
 
     @staticmethod
     def _settle_shell(sb: _Sandbox, shell: _Shell) -> None:
-        """Put a started shell into the cgroups, name its host and bring its loopback up (blocking)."""
-        # Unshare may have forked the bash before it joined. The bash has run only builtins
+        """Put a started shell into the cgroups (blocking)."""
+        # The runtime may have forked the bash before it joined. The bash has run only builtins
         # so far, so once it is inside, every process of the sandbox is.
         try:
             if not _in_cgroup(sb.cgroup, shell.init_pid):
                 sb.cgroup.add(shell.init_pid)
         except OSError as exc:
             raise SandboxError(f"cannot put the shell of sandbox {sb.id} into its cgroup: {exc}") from exc
-        _setup_namespaces(shell.init_pid, sb.id, loopback=not sb.spec.network)
 
     async def _stop_shell(self, shell: _Shell) -> None:
-        """Kill the shell (and with it its pid namespace) and reap unshare."""
+        """Kill the shell (and with it its pid namespace) and reap the runtime."""
         if shell.init_pid and _alive(shell.init_pid, shell.init_start):
             try:
                 os.kill(shell.init_pid, 9)
             except ProcessLookupError:
                 pass
-        shell.process.close()  # kills unshare if still running; --kill-child takes the bash
+        shell.process.close()  # kills the runtime if still running
         try:
             await asyncio.wait_for(asyncio.shield(shell.process.exited), 5.0)
         except TimeoutError:
-            logger.warning("unshare process %s did not exit after SIGKILL", shell.pid)
+            logger.warning("runtime process %s did not exit after SIGKILL", shell.pid)
 
     def _live(self, sandbox_id: str) -> _Sandbox:
         sb = self._sandboxes.get(sandbox_id)
@@ -1288,9 +1315,9 @@ class LocalBackend:
             raise IsADirectoryError(errno.EISDIR, "cannot write to the sandbox root", inner)
         try:
             if len(data) <= INLINE_IO_BYTES:
-                fs.write_in_root(sb.rootfd, inner, bytes(data), mode)
+                fs.write_in_root(sb.rootfd, inner, bytes(data), mode, owner=ROOT_OWNER)
             else:
-                await asyncio.to_thread(fs.write_in_root, sb.rootfd, inner, bytes(data), mode)
+                await asyncio.to_thread(fs.write_in_root, sb.rootfd, inner, bytes(data), mode, owner=ROOT_OWNER)
         except IsADirectoryError:
             raise
         except OSError as exc:
@@ -1388,11 +1415,13 @@ class LocalBackend:
                         pass
         cgroup = sb.cgroup if sb is not None else SandboxCgroup(sandbox_id, root=self.cgroup_root)
         await asyncio.to_thread(cgroup.kill_all)
-        merged = sdir / "merged"
+        merged = self._merged_dir(sandbox_id)
         _umount(merged)
         await asyncio.to_thread(cgroup.remove)
         if os.path.ismount(merged):
             raise SandboxError(f"sandbox {sandbox_id}: {merged} is still mounted; not deleting it")
+        with contextlib.suppress(FileNotFoundError):
+            merged.rmdir()
         if sdir.exists():
             await asyncio.to_thread(shutil.rmtree, sdir)
         logger.debug("sandbox %s destroyed", sandbox_id)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxes import fs, local
+from sandboxes import fs, local, oci
 from sandboxes.backends import create_backend
 from sandboxes.base import ImageConfig, Resources, SandboxSpec, SandboxState
 from sandboxes.cgroups import SandboxCgroup, cgroup_version
@@ -46,11 +46,22 @@ async def lb(backend_root, base_rootfs, node_name):
 
 
 @pytest.mark.parametrize(
-    ("check", "words"),
-    [("has_overlayfs", "overlayfs"), ("is_root", "root"), ("find_unshare", "unshare")],
+    ("module", "check", "words"),
+    [
+        (local, "has_overlayfs", "overlayfs"),
+        (local, "is_root", "root"),
+        (oci, "_installed", "apt-get install crun or runc"),
+        (oci, "user_namespace_problem", "user namespaces"),
+    ],
 )
-def test_unavailable_host_is_one_clear_sentence(monkeypatch, backend_root, check, words):
-    monkeypatch.setattr(local, check, lambda: False if check != "find_unshare" else None)
+def test_unavailable_host_is_one_clear_sentence(monkeypatch, backend_root, module, check, words):
+    fakes = {
+        "_installed": lambda name: None,
+        "user_namespace_problem": lambda: "the local sandbox backend needs user namespaces, which this kernel lacks",
+    }
+    monkeypatch.setattr(module, check, fakes.get(check, lambda: False))
+    if check == "user_namespace_problem":
+        monkeypatch.setattr(local, check, fakes[check])
     with pytest.raises(BackendUnavailableError) as info:
         LocalBackend(backend_root, "n")
     message = str(info.value)
@@ -226,7 +237,10 @@ async def test_commit_keeps_whiteouts_and_opaque_dirs(lb, backend_root, base_roo
     assert r.exit_code == 0, r.stderr
     await lb.commit(info.id, "forkyard/test:one", ImageConfig(env={"LAYER": "1"}))
     manifest = json.loads((backend_root / "images/forkyard/test/one.json").read_text())
-    assert manifest["layers"][0] == str(base_rootfs)
+    # The imported base is a copy of the cached rootfs with ids shifted into the sandboxes' range.
+    base_layer = Path(manifest["layers"][0])
+    assert base_layer != base_rootfs and base_layer.parent.name == f".forkyard-uid{oci.UID_BASE}"
+    assert base_layer.stat().st_uid == oci.UID_BASE and (base_layer / "etc/passwd").stat().st_uid == oci.UID_BASE
     layer = Path(manifest["layers"][1])
     assert layer.parent == backend_root / "layers" and layer.is_dir()
     assert manifest["config"] == {"env": {"LAYER": "1"}, "workdir": "/", "user": "root"}

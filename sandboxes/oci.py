@@ -1,0 +1,264 @@
+"""The OCI runtime spec of a local sandbox, and the runtimes that run it (crun, runc, runsc).
+
+A local sandbox's shell is started by an audited OCI runtime from Debian over a
+``config.json`` generated here, never by hand-made namespaces. What the spec gives,
+beyond what Docker gives a container by default:
+
+- a **user namespace**: root inside is :data:`UID_BASE` on the host, an id no host
+  user or file has; the data directory is 0700 root, so no unprivileged host user can
+  reach a sandbox's files (or run a setuid binary made inside one);
+- the **seccomp** filter of :mod:`sandboxes.seccomp` (keyrings, mounts, bpf, new
+  namespaces, kernel modules, io_uring... refused);
+- masked ``/proc/kcore``, ``/proc/keys``, ``/proc/timer_list``... and read-only
+  ``/proc/sys``, ``/proc/sysrq-trigger``, ``/proc/irq``, ``/sys``;
+- a minimal ``/dev`` (null, zero, full, random, urandom, tty, pts, shm: no console,
+  no host device), ``no_new_privs``, and a rootfs mounted nosuid and nodev;
+- capabilities: Docker's default set less ``mknod`` and ``sys_chroot``; none in the
+  effective set of a non-root image user; ``oom_score_adj`` 1000 so the kernel's OOM
+  killer picks a sandbox before the host's own processes.
+
+The runtime runs in the foreground (``run``, not ``create``/``start``): its stdio are
+the persistent shell's pipes, and the shell (pid 1 of the sandbox's pid namespace) is
+its child. Cgroups stay Forkyard's own (:mod:`sandboxes.cgroups`), so the runtime is
+told to leave them alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandboxes.seccomp import seccomp_profile
+
+#: Host uid (and gid) that uid 0 of every local sandbox maps to; ids 0..UID_COUNT-1 map above it.
+UID_BASE = 1_000_000
+UID_COUNT = 65_536
+
+#: Docker's default capability set, less mknod and sys_chroot.
+KEEP_CAPS = (
+    "chown", "dac_override", "fowner", "fsetid", "kill", "setgid", "setuid", "setpcap",
+    "net_bind_service", "net_raw", "audit_write", "setfcap",
+)  # fmt: skip
+
+#: /proc and /sys files no sandbox may read (Docker's list, and /proc/keys for the keyrings).
+MASKED_PATHS = (
+    "/proc/acpi", "/proc/asound", "/proc/interrupts", "/proc/kcore", "/proc/keys", "/proc/key-users",
+    "/proc/latency_stats", "/proc/sched_debug", "/proc/scsi", "/proc/timer_list", "/proc/timer_stats",
+    "/sys/firmware", "/sys/devices/virtual/powercap", "/sys/kernel/debug", "/sys/kernel/security",
+)  # fmt: skip
+#: /proc files a sandbox may read but never write.
+READONLY_PATHS = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+
+#: Open files per process (at most the host's own hard limit); the pids limit bounds the sandbox's total.
+NOFILE_LIMIT = 65_536
+
+
+def nofile_limit() -> int:
+    """Return the open-file limit of a sandbox's processes: :data:`NOFILE_LIMIT`, or the host's hard limit if lower."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return NOFILE_LIMIT if hard == resource.RLIM_INFINITY else min(NOFILE_LIMIT, hard)
+
+#: Runtimes by isolation tier, in order of preference: ``standard`` shares the host's kernel
+#: behind namespaces and seccomp; ``gvisor`` puts a user-space kernel between the agent and it.
+RUNTIMES: Mapping[str, tuple[str, ...]] = {"standard": ("crun", "runc"), "gvisor": ("runsc",)}
+ISOLATION_TIERS = tuple(RUNTIMES)
+DEFAULT_ISOLATION = "standard"
+#: The Debian package of each runtime.
+PACKAGES = {"crun": "crun", "runc": "runc", "runsc": "gvisor"}
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """One OCI runtime binary: its name (crun, runc, runsc) and path."""
+
+    name: str
+    path: str
+
+    def run_argv(self, bundle: str, container_id: str, state_dir: str) -> list[str]:
+        """Return the command that runs the bundle's container in the foreground, its state in ``state_dir``."""
+        args = [self.path, f"--root={state_dir}"]
+        if self.name == "crun":
+            args.append("--cgroup-manager=disabled")  # the cgroups are Forkyard's (sandboxes.cgroups)
+        elif self.name == "runsc":
+            # gVisor: its own kernel in user space; the host's cgroups stay Forkyard's.
+            args.append("--ignore-cgroups")
+        return [*args, "run", f"--bundle={bundle}", container_id]
+
+
+@functools.lru_cache(maxsize=8)
+def _version_line(path: str) -> str:
+    try:
+        out = subprocess.run([path, "--version"], check=False, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr).strip() else ""
+
+
+def crun_cgroup_problem(cgroup_root: Path = Path("/sys/fs/cgroup")) -> str | None:
+    """Return why crun refuses this host's cgroups (a v1 host whose v2 tree holds controllers), or None.
+
+    crun 1.8 refuses such hybrid hosts even when it is told to leave cgroups alone.
+    """
+    controllers = Path(cgroup_root) / "unified" / "cgroup.controllers"
+    try:
+        held = controllers.read_text().split()
+    except OSError:
+        return None
+    if not held:
+        return None
+    first = held[0]
+    return (
+        f"crun refuses this hybrid cgroup host while the v2 tree holds the {' '.join(held)} controller(s); "
+        f"bind them to v1 (mkdir {cgroup_root}/{first} && mount -t cgroup -o {first} cgroup {cgroup_root}/{first}) "
+        "as .ci/bootstrap does"
+    )
+
+
+def _installed(name: str) -> str | None:
+    path = shutil.which(name) or next(
+        (p for p in (f"/usr/bin/{name}", f"/usr/sbin/{name}") if os.access(p, os.X_OK)), None
+    )
+    return path if path and _version_line(path) else None
+
+
+def find_runtime(
+    isolation: str, *, preferred: str | None = None, cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> Runtime | None:
+    """Return the first usable runtime of tier ``isolation`` (``preferred`` alone if given), or None."""
+    names = list(RUNTIMES.get(isolation, ()))
+    if preferred:
+        names = [preferred] if preferred in names else []
+    for name in names:
+        path = _installed(name)
+        if path is None:
+            continue
+        if name == "crun" and crun_cgroup_problem(cgroup_root) is not None:
+            continue
+        return Runtime(name=name, path=path)
+    return None
+
+
+def runtime_problem(
+    isolation: str, *, preferred: str | None = None, cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> str | None:
+    """Return one sentence saying why tier ``isolation`` cannot run here, or None."""
+    if isolation not in RUNTIMES:
+        return f"unknown isolation tier {isolation!r}; choose one of {', '.join(ISOLATION_TIERS)}"
+    if preferred and preferred not in RUNTIMES[isolation]:
+        return f"runtime {preferred!r} is not one of the {isolation!r} tier's ({', '.join(RUNTIMES[isolation])})"
+    if find_runtime(isolation, preferred=preferred, cgroup_root=cgroup_root) is not None:
+        return None
+    names = [preferred] if preferred else list(RUNTIMES[isolation])
+    if "crun" in names and _installed("crun") and len(names) == 1:
+        return crun_cgroup_problem(cgroup_root)
+    packages = " or ".join(PACKAGES[n] for n in names)
+    return (
+        f"the local sandbox backend's {isolation!r} isolation needs the OCI runtime {' or '.join(names)}, "
+        f"which is not installed (apt-get install {packages})"
+    )
+
+
+def user_namespace_problem() -> str | None:
+    """Return one sentence saying why this kernel cannot give sandboxes a user namespace, or None."""
+    try:
+        with open("/proc/sys/user/max_user_namespaces") as fh:
+            if int(fh.read().strip() or 0) <= 0:
+                return "the local sandbox backend needs user namespaces, and user.max_user_namespaces is 0"
+    except (OSError, ValueError):
+        return "the local sandbox backend needs user namespaces, which this kernel does not offer"
+    return None
+
+
+def container_spec(
+    *,
+    args: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    uid: int = 0,
+    gid: int = 0,
+    additional_gids: Sequence[int] = (),
+    hostname: str,
+    network_namespace: str | None,
+    private_network: bool = True,
+    shm_bytes: int = 64 << 20,
+) -> dict:
+    """Return the OCI ``config.json`` of a sandbox whose root is the bundle's ``rootfs``.
+
+    Args:
+        network_namespace: a path (``/proc/<pid>/ns/net``, a bind-mounted netns) to join;
+            None with ``private_network`` makes a fresh one with only a loopback.
+        private_network: False keeps the runtime's network namespace (only for trusted
+            builds that an operator allowed to use the host's network).
+    """
+    caps = [f"CAP_{c.upper()}" for c in KEEP_CAPS]
+    nofile = nofile_limit()
+    namespaces: list[dict] = [{"type": t} for t in ("pid", "ipc", "uts", "mount", "user")]
+    if network_namespace is not None:
+        namespaces.append({"type": "network", "path": network_namespace})
+    elif private_network:
+        namespaces.append({"type": "network"})
+    mapping = [{"containerID": 0, "hostID": UID_BASE, "size": UID_COUNT}]
+    return {
+        "ociVersion": "1.0.2",
+        "root": {"path": "rootfs", "readonly": False},
+        "hostname": hostname,
+        "process": {
+            "terminal": False,
+            "user": {"uid": uid, "gid": gid, "additionalGids": list(additional_gids)},
+            "args": list(args),
+            "env": [f"{k}={v}" for k, v in env.items()],
+            "cwd": cwd,
+            "capabilities": {
+                "bounding": caps,
+                "effective": caps if uid == 0 else [],
+                "permitted": caps if uid == 0 else [],
+                "inheritable": [],
+                "ambient": [],
+            },
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": nofile, "soft": nofile}],
+            "noNewPrivileges": True,
+            "oomScoreAdj": 1000,
+        },
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", f"size={shm_bytes}"]},
+            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+        ],
+        "linux": {
+            "namespaces": namespaces,
+            "uidMappings": mapping,
+            "gidMappings": mapping,
+            "maskedPaths": list(MASKED_PATHS),
+            "readonlyPaths": list(READONLY_PATHS),
+            "seccomp": seccomp_profile(),
+        },
+    }
+
+
+__all__ = [
+    "DEFAULT_ISOLATION",
+    "ISOLATION_TIERS",
+    "KEEP_CAPS",
+    "MASKED_PATHS",
+    "READONLY_PATHS",
+    "UID_BASE",
+    "UID_COUNT",
+    "Runtime",
+    "container_spec",
+    "crun_cgroup_problem",
+    "find_runtime",
+    "runtime_problem",
+    "user_namespace_problem",
+]

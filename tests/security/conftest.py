@@ -1,0 +1,28 @@
+"""Fixtures of the escape suite: every sandbox backend (and tier) that can run here, fresh per test.
+
+The ``backend`` fixture is the sandbox contract suite's (one fresh backend per test with
+the base image, nothing left behind); ``still_serving`` checks afterwards that the
+backend still starts and runs a fresh sandbox, i.e. the attempt hurt nobody else.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sandboxes.base import SandboxSpec
+from tests.sandboxes.conftest import BASE_REF, backend, backend_root, created  # noqa: F401 - fixtures
+
+
+@pytest.fixture
+def still_serving(backend):  # noqa: F811 - the imported fixture
+    """Return a check that a fresh sandbox on ``backend`` starts and answers within seconds."""
+
+    async def check() -> None:
+        info = await backend.create(SandboxSpec(image=BASE_REF))
+        try:
+            result = await backend.exec(info.id, "echo alive", timeout_s=20)
+            assert result.stdout == "alive\n", result
+        finally:
+            await backend.destroy(info.id)
+
+    return check
