@@ -47,6 +47,7 @@ def build_runtime(settings: Settings) -> WorkerRuntime:
     backend = create_backend(
         settings.backend, node=settings.node, root_dir=settings.sandboxes_dir, docker_url=settings.docker_url,
         isolation=settings.isolation, runtime=settings.runtime,
+        egress_ports=settings.egress.tcp_ports, egress_networks=settings.egress.allow_networks,
     )  # fmt: skip
     cache = None
     if settings.setup_cache.max_bytes > 0:

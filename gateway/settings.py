@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import Literal
@@ -40,6 +41,32 @@ class SetupCacheSettings(BaseModel):
     """Cap on the bytes the cached snapshots hold (``FORKYARD_SETUP_CACHE__MAX_BYTES``); 0 turns the cache off."""
     dir: Path | None = None
     """Where the cache keeps its index (``FORKYARD_SETUP_CACHE__DIR``); default: ``data_dir/setup-cache``."""
+
+
+def _host_cpus() -> float:
+    return float(os.cpu_count() or 1)
+
+
+def _host_memory_mb() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024))
+
+
+class SandboxLimitSettings(BaseModel):
+    """The most one sandbox may ask for; a task asking for more is refused at import (422)."""
+
+    max_cpus: float = Field(default_factory=_host_cpus, gt=0)
+    """CPUs (``FORKYARD_SANDBOX_LIMITS__MAX_CPUS``); default: this host's CPU count."""
+    max_memory_mb: int = Field(default_factory=_host_memory_mb, gt=0)
+    """Memory in MiB (``FORKYARD_SANDBOX_LIMITS__MAX_MEMORY_MB``); default: this host's memory."""
+
+
+class EgressSettings(BaseModel):
+    """What local sandboxes with network may reach (docker sandboxes use the engine's bridge)."""
+
+    tcp_ports: list[int] = Field(default_factory=lambda: [80, 443])
+    """Destination TCP ports allowed to public addresses (``FORKYARD_EGRESS__TCP_PORTS``, JSON list)."""
+    allow_networks: list[str] = Field(default_factory=list)
+    """Private networks (CIDR) allowed on those ports too (``FORKYARD_EGRESS__ALLOW_NETWORKS``); loopback never."""
 
 
 class Settings(BaseSettings):
@@ -100,6 +127,12 @@ class Settings(BaseSettings):
 
     setup_cache: SetupCacheSettings = Field(default_factory=SetupCacheSettings)
     """Setup cache size and place (``FORKYARD_SETUP_CACHE__MAX_BYTES`` / ``__DIR``)."""
+
+    sandbox_limits: SandboxLimitSettings = Field(default_factory=SandboxLimitSettings)
+    """Per-sandbox maximum resources (``FORKYARD_SANDBOX_LIMITS__MAX_CPUS`` / ``__MAX_MEMORY_MB``)."""
+
+    egress: EgressSettings = Field(default_factory=EgressSettings)
+    """Outbound network of local sandboxes that ask for one (``FORKYARD_EGRESS__TCP_PORTS`` / ``__ALLOW_NETWORKS``)."""
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

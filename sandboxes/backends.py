@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from sandboxes.base import SandboxBackend
@@ -41,11 +42,14 @@ def create_backend(
     docker_url: str | None = None,
     isolation: str = "standard",
     runtime: str | None = None,
+    egress_ports: Sequence[int] | None = None,
+    egress_networks: Sequence[str] = (),
 ) -> SandboxBackend:
     """Build the ``local``, ``docker`` or (``auto``) best available sandbox backend.
 
     ``isolation`` and ``runtime`` choose the local backend's tier and OCI runtime
-    (:mod:`sandboxes.oci`); ``auto`` picks local only if that tier can run here.
+    (:mod:`sandboxes.oci`); ``egress_ports`` and ``egress_networks`` what its networked
+    sandboxes may reach (:mod:`sandboxes.network`).
 
     Raises:
         BackendUnavailableError: the host cannot run the chosen backend.
@@ -59,7 +63,13 @@ def create_backend(
     if kind == "local":
         from sandboxes.local import LocalBackend
 
-        return LocalBackend(Path(root_dir), node, isolation=isolation, runtime=runtime)
+        from sandboxes.network import EgressPolicy
+
+        egress = EgressPolicy(
+            tcp_ports=tuple(egress_ports) if egress_ports is not None else (80, 443),
+            allow_networks=tuple(egress_networks),
+        )
+        return LocalBackend(Path(root_dir), node, isolation=isolation, runtime=runtime, egress=egress)
     try:
         from sandboxes.docker import DockerBackend
     except ImportError as exc:

@@ -57,7 +57,8 @@ class SandboxSpec:
     image: str
     resources: Resources = field(default_factory=Resources)
     network: bool = False
-    """Give the sandbox the host's network; off means a private namespace with no route out."""
+    """Give the sandbox outbound network (never the host's loopback; local: what its egress policy allows);
+    off means a private namespace with only a loopback."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Added to (and overriding) the image's ENV for the persistent shell."""
     workdir: str | None = None

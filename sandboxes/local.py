@@ -83,6 +83,7 @@ from sandboxes.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
+from sandboxes.network import EgressPolicy, SandboxNetwork, start_network
 from sandboxes.oci import (
     DEFAULT_ISOLATION,
     UID_BASE,
@@ -456,6 +457,7 @@ class _Shell:
     pid: int  # the runtime, our child
     init_pid: int  # the bash, pid 1 of the sandbox's pid namespace
     init_start: int | None
+    network: SandboxNetwork | None = None  # slirp4netns, for sandboxes with network
 
     @property
     def channel(self) -> ShellChannel:
@@ -518,12 +520,14 @@ class LocalBackend:
         cgroup_root: Path = CGROUP_ROOT,
         isolation: str = DEFAULT_ISOLATION,
         runtime: str | None = None,
+        egress: EgressPolicy | None = None,
     ) -> None:
         """Open the backend over ``root_dir`` (made 0700).
 
         Args:
             isolation: ``standard`` (crun, else runc) or ``gvisor`` (runsc).
             runtime: insist on this runtime of the tier (``crun``, ``runc``, ``runsc``).
+            egress: what sandboxes with ``network=True`` may reach (:mod:`sandboxes.network`).
         """
         problem = host_problem(cgroup_root, isolation) or runtime_problem(
             isolation, preferred=runtime, cgroup_root=cgroup_root
@@ -535,6 +539,7 @@ class LocalBackend:
         _check_layer_path(str(self.root_dir))
         self.cgroup_root = Path(cgroup_root)
         self.isolation = isolation
+        self.egress = egress or EgressPolicy()
         found = find_runtime(isolation, preferred=runtime, cgroup_root=cgroup_root)
         assert found is not None  # runtime_problem said it is there
         self.runtime = found
@@ -1105,7 +1110,7 @@ class LocalBackend:
         spec = container_spec(
             args=["/bin/bash", "--noprofile", "--norc"], env=env, cwd=cwd,
             uid=user.uid if user else 0, gid=user.gid if user else 0, additional_gids=user.groups if user else (),
-            hostname=sb.id, network_namespace=None, private_network=not sb.spec.network,
+            hostname=sb.id, network_namespace=None,
         )  # fmt: skip
         spec["root"]["path"] = str(sb.merged)
         _write_json(sb.dir / "config.json", spec)
@@ -1158,6 +1163,8 @@ class LocalBackend:
             for outcome in await asyncio.shield(finishing):
                 if isinstance(outcome, BaseException):
                     raise outcome
+            if sb.spec.network:
+                shell.network = await asyncio.shield(start_network(shell.init_pid, self.egress))
         except BaseException:
             for work in (joining, finishing):
                 if work is not None and not work.done():  # let the threads finish before cleaning up
@@ -1185,6 +1192,8 @@ class LocalBackend:
                 os.kill(shell.init_pid, 9)
             except ProcessLookupError:
                 pass
+        if shell.network is not None:
+            await asyncio.to_thread(shell.network.stop)
         shell.process.close()  # kills the runtime if still running
         try:
             await asyncio.wait_for(asyncio.shield(shell.process.exited), 5.0)
@@ -1432,6 +1441,8 @@ class LocalBackend:
         waits = []
         for sb in self._sandboxes.values():
             if sb.shell is not None:
+                if sb.shell.network is not None:
+                    sb.shell.network.stop()
                 sb.shell.process.close()
                 waits.append(asyncio.shield(sb.shell.process.exited))
             if sb.rootfd >= 0:

@@ -193,8 +193,8 @@ def container_spec(
     Args:
         network_namespace: a path (``/proc/<pid>/ns/net``, a bind-mounted netns) to join;
             None with ``private_network`` makes a fresh one with only a loopback.
-        private_network: False keeps the runtime's network namespace (only for trusted
-            builds that an operator allowed to use the host's network).
+        private_network: False keeps the runtime's network namespace (the host's): never
+            for a sandbox; :mod:`sandboxes.network` gives sandboxes their outbound network.
     """
     caps = [f"CAP_{c.upper()}" for c in KEEP_CAPS]
     nofile = nofile_limit()

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from gateway.dependencies import DbSession
+from gateway.dependencies import CurrentSettings, DbSession
 from gateway.errors import BadRequestError, UnsupportedMediaTypeError
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.tasks import service
@@ -99,10 +99,13 @@ async def _parse_import(request: Request, environment: str) -> list[tuple[str, T
 async def import_tasks(
     request: Request,
     db_session: DbSession,
+    settings: CurrentSettings,
     environment: str = Query("terminal", description="Environment of tasks uploaded as archives."),
 ):
     """Import tasks; an identical task already stored is returned rather than duplicated."""
     tasks = await _parse_import(request, environment)
+    limits = settings.sandbox_limits
+    service.check_task_resources(tasks, max_cpus=limits.max_cpus, max_memory_mb=limits.max_memory_mb)
     rows = await service.import_tasks(db_session=db_session, tasks=tasks)
     return TaskList(items=[TaskRead.from_row(r) for r in rows])
 

@@ -32,6 +32,25 @@ async def _resolve_environment(db_session: AsyncSession, name: str) -> Environme
     return env
 
 
+def check_task_resources(tasks: Sequence[tuple[str, TerminalTask]], *, max_cpus: float, max_memory_mb: int) -> None:
+    """Refuse a task whose sandbox would ask for more than one sandbox may have here.
+
+    Raises:
+        InvalidRequestError: names the task, the field and the limit (code ``resources_exceeded``).
+    """
+    for _, task in tasks:
+        for field, wanted, limit, unit in (
+            ("environment.cpus", task.cpus, max_cpus, " CPUs"),
+            ("environment.memory_mb", task.memory_mb, max_memory_mb, " MiB"),
+        ):
+            if wanted > limit:
+                raise InvalidRequestError(
+                    f"Task {task.name!r}: task.toml {field} asks for {wanted:g}{unit}, more than the "
+                    f"{limit:g}{unit} one sandbox may have on this gateway (FORKYARD_SANDBOX_LIMITS).",
+                    code="resources_exceeded",
+                )
+
+
 async def import_tasks(*, db_session: AsyncSession, tasks: Sequence[tuple[str, TerminalTask]]) -> list[Task]:
     """Store each (environment name, task), reusing an identical task already stored; return them in order."""
     archives = await asyncio.to_thread(lambda: [task_to_tar(task) for _, task in tasks])

@@ -136,3 +136,20 @@ async def test_environments_default_create_conflict_list(gateway):
     assert task.json()["items"][0]["environment"] == "terminal-hard"
     listed = (await gateway.client.get("/v1/tasks", params={"environment": "terminal-hard"})).json()["items"]
     assert [t["name"] for t in listed] == ["h"]
+
+
+async def test_task_asking_for_more_than_a_sandbox_may_have_is_refused_at_import(gateway):
+    for extra, field in (("cpus = 64", "environment.cpus"), ("memory_mb = 204800", "environment.memory_mb")):
+        files = task_files("greedy")
+        files["task.toml"] += f"\n[environment]\n{extra}\n"
+        error = assert_error(await gateway.client.post("/v1/tasks", json={"tasks": [{"name": "greedy", "files": files}]}),
+                             422, "resources_exceeded")
+        assert field in error["message"] and "greedy" in error["message"]
+        error = assert_error(await gateway.client.post("/v1/tasks", content=tar_of({"greedy": files}),
+                                                       headers={"Content-Type": "application/gzip"}),
+                             422, "resources_exceeded")
+        assert field in error["message"]
+    assert (await gateway.client.get("/v1/tasks")).json()["items"] == []
+    files = task_files("modest")
+    files["task.toml"] += "\n[environment]\ncpus = 1\nmemory_mb = 512\n"
+    assert (await gateway.client.post("/v1/tasks", json={"tasks": [{"name": "modest", "files": files}]})).status_code == 201

@@ -20,6 +20,7 @@ from sandboxes.base import ImageConfig, Resources, SandboxSpec, SandboxState
 from sandboxes.cgroups import SandboxCgroup, cgroup_version
 from sandboxes.errors import BackendUnavailableError, SandboxCrashedError, SandboxError
 from sandboxes.local import LocalBackend
+from sandboxes.network import EgressPolicy, list_ruleset
 from tests.sandboxes.conftest import BASE_CONFIG, BASE_REF, local_leftovers
 
 pytestmark = pytest.mark.local
@@ -212,19 +213,34 @@ async def test_image_user_runs_the_shell(lb, base_rootfs):
         await lb.create(SandboxSpec(image="forkyard/base:ghost"))
 
 
-async def test_network_true_shares_the_host_network(lb):
+async def test_network_true_is_user_mode_and_filtered(lb):
     info = await lb.create(SandboxSpec(image=BASE_REF, network=True))
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = listener.getsockname()[1]
-        r = await lb.exec(
-            info.id, f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), 5); print('ok')\""
-        )
-        assert r.stdout == "ok\n", r.stderr
-        listener.settimeout(5)
-        conn, _ = listener.accept()
-        conn.close()
+    sb = lb._sandboxes[info.id]
+    slirp = sb.shell.network.pid
+    r = await lb.exec(info.id, "cat /sys/class/net/tap0/address >/dev/null && grep -c tap0 /proc/net/route")
+    assert r.exit_code == 0 and int(r.stdout) >= 1, r.stderr  # tap0 carries the default route
+    rules = list_ruleset(sb.shell.init_pid)
+    assert "policy drop" in rules and "tcp dport { 80, 443 } accept" in rules and "127.0.0.0/8" in rules
+    # Its root cannot lift the filter: no CAP_NET_ADMIN in its namespace.
+    r = await lb.exec(info.id, "ip link set tap0 down 2>&1 || echo refused; grep -c tap0 /proc/net/route")
+    assert "refused" in r.stdout or "not permitted" in r.stdout.lower(), r.stdout
+    # Its own loopback works.
+    r = await lb.exec(info.id, "python3 -c \"import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+                      "c = socket.create_connection(s.getsockname(), 5); print('loopback ok')\"")
+    assert r.stdout == "loopback ok\n", r.stderr
+    await lb.destroy(info.id)
+    assert not Path(f"/proc/{slirp}").exists() or "slirp4netns" not in Path(f"/proc/{slirp}/cmdline").read_text()
+
+
+def test_egress_policy_is_checked():
+    with pytest.raises(ValueError, match="70000"):
+        EgressPolicy(tcp_ports=(70000,))
+    with pytest.raises(ValueError):
+        EgressPolicy(allow_networks=("not-a-network",))
+    rules = EgressPolicy(tcp_ports=(443,), allow_networks=("10.1.0.0/16",)).ruleset()
+    assert "ip daddr { 10.1.0.0/16 } tcp dport { 443 } accept" in rules
+    # The allowed private network comes before the private ranges are dropped.
+    assert rules.index("10.1.0.0/16") < rules.index("10.0.0.0/8")
 
 
 async def test_commit_keeps_whiteouts_and_opaque_dirs(lb, backend_root, base_rootfs):

@@ -244,9 +244,7 @@ async def host_listener():
 
 
 @pytest.mark.parametrize("network", [False, True], ids=["offline", "network"])
-async def test_host_loopback_is_unreachable(backend, still_serving, network, request):
-    if network and backend.name == "local":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="local network=true still shares the host's netns"))
+async def test_host_loopback_is_unreachable(backend, still_serving, network):
     async with host_listener() as (port, seen):
         info = await backend.create(SandboxSpec(image=BASE_REF, network=network))
         probe = py(

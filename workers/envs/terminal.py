@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 #: Version of what a reset leaves in the sandbox; part of every setup cache key. Bump it
 #: when reset changes (other dirs, another way of running setup.sh) so old entries miss.
-TERMINAL_ENV_VERSION = "2"
+TERMINAL_ENV_VERSION = "3"
 #: Seconds a bash call may run when the agent gives no timeout.
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 #: Bytes of stdout (and, separately, stderr) an observation keeps per command.
