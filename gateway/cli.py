@@ -123,6 +123,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     configure_logging(args.log_level.upper())
     settings = _settings(data_dir=args.data_dir, backend=args.backend)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(settings.data_dir, 0o700)  # the database, the API key and the sandboxes' layers: root's alone
     key = load_or_create_key_file(settings.data_dir / API_KEY_FILE)
     settings = settings.model_copy(update={"bootstrap_api_key": SecretStr(key)})
     _stderr(f"forkyard: starting the gateway on {args.host}:{args.port} (data dir {settings.data_dir}, "

@@ -64,6 +64,9 @@ class SandboxSpec:
     workdir: str | None = None
     """Working directory of the shell; None keeps the image's WORKDIR."""
     labels: Mapping[str, str] = field(default_factory=dict)
+    network_of: str | None = None
+    """Join this live sandbox's network namespace (its loopback, its services) instead of ``network``:
+    how a verifier runs beside the agent's sandbox without sharing its processes or files."""
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,12 @@ class SandboxBackend(Protocol):
     ) -> ExecResult:
         """Run ``command`` in the sandbox's persistent shell (cwd and exports persist)."""
 
-    async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        """Return the bytes of ``path`` inside the sandbox."""
+    async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int | None = None) -> bytes:
+        """Return the bytes of ``path`` inside the sandbox.
+
+        Raises:
+            FileTooLargeError: ``max_bytes`` is set and the file is bigger (nothing is read past it).
+        """
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
         """Write ``data`` to ``path`` inside the sandbox, creating parent directories."""

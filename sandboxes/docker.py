@@ -71,6 +71,7 @@ from sandboxes.base import (
 )
 from sandboxes.errors import (
     BackendUnavailableError,
+    FileTooLargeError,
     ImageNotFoundError,
     SandboxCrashedError,
     SandboxError,
@@ -546,7 +547,7 @@ class DockerBackend:
             "labels": labels,
             "stdin_open": True,
             "tty": False,
-            "network_mode": "bridge" if spec.network else "none",
+            "network_mode": f"container:{spec.network_of}" if spec.network_of else ("bridge" if spec.network else "none"),
             "mem_limit": memory,
             "memswap_limit": memory,
             "pids_limit": int(res.pids),
@@ -712,20 +713,23 @@ class DockerBackend:
         base = (sbx.channel.cwd if sbx.channel is not None else None) or sbx.workdir
         return sbx, normalize_sandbox_path(path, base)
 
-    async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        """Return the bytes of ``path`` inside the sandbox (relative paths from the shell's cwd).
+    async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int | None = None) -> bytes:
+        """Return the bytes of ``path`` inside the sandbox (relative paths from the shell's cwd), at most ``max_bytes``.
 
         Raises:
             FileNotFoundError: there is no such file; IsADirectoryError: it is a directory.
+            FileTooLargeError: the file is bigger than ``max_bytes``.
         """
         sbx, target = await self._file_target(sandbox_id, path)
         rootfd = self._root_fd(sbx)
         if rootfd is None:
-            return await self._read_archive(sbx.id, target)
+            return await self._read_archive(sbx.id, target, max_bytes)
         try:
             if fs.file_size_in_root(rootfd, target) <= _INLINE_IO_BYTES:
-                return fs.read_in_root(rootfd, target)
-            return await asyncio.to_thread(fs.read_in_root, rootfd, target)
+                return fs.read_in_root(rootfd, target, max_bytes)
+            return await asyncio.to_thread(fs.read_in_root, rootfd, target, max_bytes)
+        except fs.TooLargeError:
+            raise FileTooLargeError(f"{target} in sandbox {sbx.id[:12]} is larger than {max_bytes} bytes") from None
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, f"no file {target} in sandbox {sbx.id[:12]}", target) from None
         except IsADirectoryError:
@@ -752,11 +756,14 @@ class DockerBackend:
         except OSError as exc:
             raise SandboxError(f"cannot write {target} in sandbox {sbx.id[:12]}: {exc.strerror}") from exc
 
-    async def _read_archive(self, cid: str, target: str) -> bytes:
+    async def _read_archive(self, cid: str, target: str, max_bytes: int | None = None) -> bytes:
         """Read one file through ``get_archive``, following symlinks inside the sandbox."""
         for _ in range(40):
             try:
                 chunks, stat = await self._call("read a file", self._api.get_archive, cid, target)
+                size = int((stat or {}).get("size") or 0)
+                if max_bytes is not None and size > max_bytes:
+                    raise FileTooLargeError(f"{target} in sandbox {cid[:12]} is larger than {max_bytes} bytes")
                 blob = await asyncio.to_thread(b"".join, chunks)
             except docker.errors.NotFound as exc:
                 raise FileNotFoundError(errno.ENOENT, f"no file {target} in sandbox {cid[:12]}", target) from exc
@@ -777,6 +784,8 @@ class DockerBackend:
                 fh = tar.extractfile(member)
                 if fh is None:
                     raise SandboxError(f"{target!r} is not a regular file in sandbox {cid[:12]}")
+                if max_bytes is not None and member.size > max_bytes:
+                    raise FileTooLargeError(f"{target} in sandbox {cid[:12]} is larger than {max_bytes} bytes")
                 return fh.read()
         raise SandboxError(f"too many levels of symbolic links at {target!r} in sandbox {cid[:12]}")
 
@@ -1082,6 +1091,7 @@ class DockerBackend:
             env=env,
             workdir=snapshot.workdir,
             labels=dict(spec.labels) if spec else {},
+            network_of=spec.network_of if spec else None,
         )
         command = restore_command(env, snapshot.cwd, keep=["HOSTNAME"])
 

@@ -23,3 +23,7 @@ class PathEscapeError(SandboxError):
 
 class SandboxCrashedError(SandboxError):
     """The sandbox's shell or init died and could not be restarted."""
+
+
+class FileTooLargeError(SandboxError):
+    """A file read with a size cap is bigger than the cap."""

@@ -156,13 +156,28 @@ def file_size_in_root(root: str | os.PathLike | int, path: str) -> int:
         os.close(fd)
 
 
-def read_in_root(root: str | os.PathLike | int, path: str) -> bytes:
-    """Return the bytes of the regular file ``path`` inside ``root``."""
+class TooLargeError(OSError):
+    """A file is bigger than the caller's cap (``args``: errno EFBIG, message, path)."""
+
+
+def read_in_root(root: str | os.PathLike | int, path: str, max_bytes: int | None = None) -> bytes:
+    """Return the bytes of the regular file ``path`` inside ``root``, at most ``max_bytes`` of them.
+
+    Raises:
+        TooLargeError: the file holds more than ``max_bytes`` (checked by size, then by what a read returns).
+    """
     rootfd, owned = _with_root(root)
     try:
         fd = open_file_in_root(rootfd, path, os.O_RDONLY)
         with open(fd, "rb", closefd=True) as fh:
-            return fh.read()
+            if max_bytes is None:
+                return fh.read()
+            if os.fstat(fd).st_size > max_bytes:
+                raise TooLargeError(errno.EFBIG, f"larger than {max_bytes} bytes", path)
+            data = fh.read(max_bytes + 1)  # it may grow meanwhile
+            if len(data) > max_bytes:
+                raise TooLargeError(errno.EFBIG, f"larger than {max_bytes} bytes", path)
+            return data
     finally:
         if owned:
             os.close(rootfd)
@@ -241,5 +256,5 @@ def _force_walk(enabled: bool) -> None:
     _openat2_works = False if enabled else None
 
 
-__all__ = ["file_size_in_root", "mkdirs_in_root", "open_file_in_root", "open_in_root", "read_in_root", "write_in_root"]
+__all__ = ["TooLargeError", "file_size_in_root", "mkdirs_in_root", "open_file_in_root", "open_in_root", "read_in_root", "write_in_root"]
 

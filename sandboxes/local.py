@@ -78,6 +78,7 @@ from sandboxes.cgroups import (
 )
 from sandboxes.errors import (
     BackendUnavailableError,
+    FileTooLargeError,
     ImageNotFoundError,
     SandboxCrashedError,
     SandboxError,
@@ -871,6 +872,7 @@ class LocalBackend:
             env=env,
             workdir=snapshot.workdir,
             labels=dict(spec.labels) if spec else {},
+            network_of=spec.network_of if spec else None,
         )
         # Each shell starts with the snapshot's exports as its environment and cds to its
         # cwd in the command that checks it is up: no extra round trip per branch.
@@ -1107,10 +1109,17 @@ class LocalBackend:
         """Write the bundle's config.json for a shell in ``cwd`` with ``env``; return the runtime's command."""
         sb.starts += 1
         user = sb.user
+        joined = None
+        if sb.spec.network_of is not None:
+            peer = self._live(sb.spec.network_of)
+            if peer.shell is None or not _alive(peer.shell.init_pid, peer.shell.init_start):
+                raise SandboxError(f"sandbox {peer.id}, whose network sandbox {sb.id} joins, has no running shell")
+            joined = f"/proc/{peer.shell.init_pid}/ns"
         spec = container_spec(
             args=["/bin/bash", "--noprofile", "--norc"], env=env, cwd=cwd,
             uid=user.uid if user else 0, gid=user.gid if user else 0, additional_gids=user.groups if user else (),
-            hostname=sb.id, network_namespace=None,
+            hostname=sb.id, network_namespace=f"{joined}/net" if joined else None,
+            user_namespace=f"{joined}/user" if joined else None,
         )  # fmt: skip
         spec["root"]["path"] = str(sb.merged)
         _write_json(sb.dir / "config.json", spec)
@@ -1163,7 +1172,7 @@ class LocalBackend:
             for outcome in await asyncio.shield(finishing):
                 if isinstance(outcome, BaseException):
                     raise outcome
-            if sb.spec.network:
+            if sb.spec.network and sb.spec.network_of is None:
                 shell.network = await asyncio.shield(start_network(shell.init_pid, self.egress))
         except BaseException:
             for work in (joining, finishing):
@@ -1299,16 +1308,16 @@ class LocalBackend:
     def _host_path(self, sb: _Sandbox, path: str) -> str:
         return normalize_sandbox_path(path, sb.workdir)
 
-    async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        """Return the bytes of ``path`` inside the sandbox (symlinks resolve inside it)."""
+    async def read_file(self, sandbox_id: str, path: str, *, max_bytes: int | None = None) -> bytes:
+        """Return the bytes of ``path`` inside the sandbox (symlinks resolve inside it), at most ``max_bytes``."""
         sb = self._live(sandbox_id)
         inner = self._host_path(sb, path)
         try:
-            fd = fs.open_file_in_root(sb.rootfd, inner, os.O_RDONLY)
-            with os.fdopen(fd, "rb") as fh:
-                if os.fstat(fd).st_size <= INLINE_IO_BYTES:
-                    return fh.read()
-                return await asyncio.to_thread(fh.read)
+            if fs.file_size_in_root(sb.rootfd, inner) <= INLINE_IO_BYTES:
+                return fs.read_in_root(sb.rootfd, inner, max_bytes)
+            return await asyncio.to_thread(fs.read_in_root, sb.rootfd, inner, max_bytes)
+        except fs.TooLargeError:
+            raise FileTooLargeError(f"{inner} in sandbox {sandbox_id} is larger than {max_bytes} bytes") from None
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, f"no file {inner} in sandbox {sandbox_id}", inner) from None
         except IsADirectoryError:

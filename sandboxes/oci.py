@@ -185,6 +185,7 @@ def container_spec(
     additional_gids: Sequence[int] = (),
     hostname: str,
     network_namespace: str | None,
+    user_namespace: str | None = None,
     private_network: bool = True,
     shm_bytes: int = 64 << 20,
 ) -> dict:
@@ -193,18 +194,21 @@ def container_spec(
     Args:
         network_namespace: a path (``/proc/<pid>/ns/net``, a bind-mounted netns) to join;
             None with ``private_network`` makes a fresh one with only a loopback.
+        user_namespace: a user namespace to join (the one owning ``network_namespace``)
+            instead of making one; its id mapping is then that namespace's.
         private_network: False keeps the runtime's network namespace (the host's): never
             for a sandbox; :mod:`sandboxes.network` gives sandboxes their outbound network.
     """
     caps = [f"CAP_{c.upper()}" for c in KEEP_CAPS]
     nofile = nofile_limit()
-    namespaces: list[dict] = [{"type": t} for t in ("pid", "ipc", "uts", "mount", "user")]
+    namespaces: list[dict] = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
+    namespaces.append({"type": "user", "path": user_namespace} if user_namespace else {"type": "user"})
     if network_namespace is not None:
         namespaces.append({"type": "network", "path": network_namespace})
     elif private_network:
         namespaces.append({"type": "network"})
     mapping = [{"containerID": 0, "hostID": UID_BASE, "size": UID_COUNT}]
-    return {
+    spec: dict = {
         "ociVersion": "1.0.2",
         "root": {"path": "rootfs", "readonly": False},
         "hostname": hostname,
@@ -245,6 +249,9 @@ def container_spec(
             "seccomp": seccomp_profile(),
         },
     }
+    if user_namespace:
+        del spec["linux"]["uidMappings"], spec["linux"]["gidMappings"]
+    return spec
 
 
 __all__ = [

@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Metadata keys of the snapshots a trajectory tree (``forkyard.tree``) or a lazy-fork
-#: group (``forkyard.shared``) takes; nothing outlives them.
-TRANSIENT_SNAPSHOT_KEYS = frozenset({"forkyard.tree", "forkyard.shared"})
+#: Metadata keys of the snapshots a trajectory tree (``forkyard.tree``), a lazy-fork group
+#: (``forkyard.shared``) or a verifier's fork (``forkyard.verifier``) takes; nothing outlives them.
+TRANSIENT_SNAPSHOT_KEYS = frozenset({"forkyard.tree", "forkyard.shared", "forkyard.verifier"})
 #: Metadata key of the snapshots the sessions API takes (the session id); the gateway's rows track them.
 SESSION_SNAPSHOT_KEY = "forkyard.session"
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import math
@@ -42,7 +43,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sandboxes.base import ExecResult, Resources, SandboxBackend, SandboxInfo, SandboxSpec
-from sandboxes.errors import BackendUnavailableError, SandboxCrashedError, SandboxError, SandboxNotFoundError
+from sandboxes.errors import (
+    BackendUnavailableError,
+    FileTooLargeError,
+    SandboxCrashedError,
+    SandboxError,
+    SandboxNotFoundError,
+)
 from workers.errors import ActionError, SessionClosedError, TaskFormatError
 from workers.runtime import StepResult
 from workers.setup_cache import SetupCacheKey
@@ -68,6 +75,12 @@ TESTS_DIR = "/tests"
 SOLUTION_DIR = "/solution"
 #: Where setup.sh is copied to run; removed afterwards.
 SETUP_DIR = "/setup"
+#: The most a reward file may hold; the host never reads more of it.
+REWARD_MAX_BYTES = 64 * 1024
+#: Metadata key of the snapshot a verifier's fork is restored from (deleted right after).
+VERIFIER_SNAPSHOT_KEY = "forkyard.verifier"
+#: Label naming what a sandbox is for (``verifier`` on a verifier's fork).
+LABEL_ROLE = "forkyard.role"
 REWARD_TXT = f"{VERIFIER_LOG_DIR}/reward.txt"
 REWARD_JSON = f"{VERIFIER_LOG_DIR}/reward.json"
 # Bounds the housekeeping commands the env itself runs (mkdir, rm, probes).
@@ -553,14 +566,15 @@ class TerminalEnv:
             await self.backend.destroy(sandbox.id)
             logger.info("terminal task %s: sandbox %s destroyed", self.task.name, sandbox.id)
 
-    async def _housekeeping(self, command: str, *, what: str) -> ExecResult:
+    async def _housekeeping(self, command: str, *, what: str, sandbox_id: str | None = None) -> ExecResult:
         # A subshell with a standard PATH: whatever the agent exported must not break these.
+        sandbox_id = sandbox_id or self._sandbox_id()
         wrapped = f"(PATH={_STANDARD_PATH}; {command})"
-        result = await self.backend.exec(self._sandbox_id(), wrapped, timeout_s=_HOUSEKEEPING_TIMEOUT_S)
+        result = await self.backend.exec(sandbox_id, wrapped, timeout_s=_HOUSEKEEPING_TIMEOUT_S)
         if result.exit_code != 0:
             detail = (result.stderr or result.stdout).strip()[-500:]
             detail = detail or f"exit code {result.exit_code}"
-            raise SandboxError(f"could not {what} in sandbox {self._sandbox_id()}: {detail}")
+            raise SandboxError(f"could not {what} in sandbox {sandbox_id}: {detail}")
         return result
 
     async def _capture_env(self) -> dict[str, str] | None:
@@ -641,13 +655,49 @@ class TerminalEnv:
         )
 
     async def _verify(self) -> tuple[float, dict[str, float], dict[str, Any], str | None]:
-        """Copy the tests in, run test.sh and read the reward; return (reward, details, verifier, error)."""
+        """Run the verifier in a fork of the agent's sandbox; return (reward, details, verifier, error).
+
+        The fork is restored from a snapshot of the sandbox as the agent left it, so it has
+        every file the agent made but none of its processes: nothing the agent left running
+        can touch the tests, the verifier's processes or its reward file. It joins the
+        agent sandbox's network namespace, so services the agent started still answer on
+        localhost as Harbor's tests expect.
+        """
         sandbox_id = self._sandbox_id()
         verifier: dict[str, Any] = {"exit_code": None, "stdout": "", "stderr": "", "timed_out": False}
+        snap = None
+        fork_id = None
+        try:
+            snap = await self.backend.snapshot(sandbox_id, metadata={VERIFIER_SNAPSHOT_KEY: self.task.name})
+            spec = dataclasses.replace(self._spec(), network_of=sandbox_id, labels={**self.labels, LABEL_ROLE: "verifier"})
+            [fork] = await self.backend.restore(snap, 1, spec=spec)
+            fork_id = fork.id
+            return await self._verify_in(fork_id, verifier)
+        except (SandboxNotFoundError, SandboxCrashedError, BackendUnavailableError):
+            raise
+        except (SandboxError, OSError) as exc:
+            # The agent can wreck its sandbox (rm -rf /, a file where /logs was); that scores zero.
+            logger.warning(
+                "terminal task %s: verifier could not run beside sandbox %s: %s", self.task.name, sandbox_id, exc
+            )
+            return 0.0, {}, verifier, f"the verifier could not run: {exc}"
+        finally:
+            # The fork first: a snapshot's storage must outlive every sandbox restored from it.
+            if fork_id is not None:
+                await self.backend.destroy(fork_id)
+            if snap is not None:
+                await self.backend.delete_snapshot(snap.id)
+
+    async def _verify_in(
+        self, sandbox_id: str, verifier: dict[str, Any]
+    ) -> tuple[float, dict[str, float], dict[str, Any], str | None]:
+        """Copy the tests into ``sandbox_id``, run test.sh there and read the reward."""
         try:
             # Whatever the agent left at these paths must not decide the reward.
             await self._housekeeping(
-                f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} && mkdir -p {VERIFIER_LOG_DIR}", what="prepare the verifier"
+                f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} && mkdir -p {VERIFIER_LOG_DIR}",
+                what="prepare the verifier",
+                sandbox_id=sandbox_id,
             )
             for rel, data in sorted(self.task.test_files.items()):
                 mode = 0o755 if rel.endswith(".sh") else 0o644
@@ -667,28 +717,25 @@ class TerminalEnv:
             probe = await self._housekeeping(
                 f"if [ -f {REWARD_TXT} ]; then echo txt; elif [ -f {REWARD_JSON} ]; then echo json; fi",
                 what="look for the reward file",
+                sandbox_id=sandbox_id,
             )
             kind = probe.stdout.strip()
-            if kind == "txt":
-                raw = await self.backend.read_file(sandbox_id, REWARD_TXT)
-                reward, details = parse_reward_txt(raw)
-            elif kind == "json":
-                raw = await self.backend.read_file(sandbox_id, REWARD_JSON)
-                reward, details = parse_reward_json(raw)
+            if kind in ("txt", "json"):
+                path = REWARD_TXT if kind == "txt" else REWARD_JSON
+                try:
+                    raw = await self.backend.read_file(sandbox_id, path, max_bytes=REWARD_MAX_BYTES)
+                except FileTooLargeError:
+                    raise _RewardError(
+                        f"the verifier's {path} is larger than {REWARD_MAX_BYTES // 1024} KiB; a reward file holds "
+                        "one number or one small JSON object"
+                    ) from None
+                reward, details = parse_reward_txt(raw) if kind == "txt" else parse_reward_json(raw)
             else:
                 raise _RewardError(
                     f"the verifier wrote neither {REWARD_TXT} nor {REWARD_JSON} (exit code {result.exit_code})"
                 )
         except _RewardError as exc:
             return 0.0, {}, verifier, str(exc)
-        except (SandboxNotFoundError, SandboxCrashedError, BackendUnavailableError):
-            raise
-        except (SandboxError, OSError) as exc:
-            # The agent can wreck its sandbox (rm -rf /, a file where /logs was); that scores zero.
-            logger.warning(
-                "terminal task %s: verifier could not run in sandbox %s: %s", self.task.name, sandbox_id, exc
-            )
-            return 0.0, {}, verifier, f"the verifier could not run: {exc}"
         return reward, details, verifier, None
 
 
