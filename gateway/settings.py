@@ -128,6 +128,10 @@ class Settings(BaseSettings):
     setup_cache: SetupCacheSettings = Field(default_factory=SetupCacheSettings)
     """Setup cache size and place (``FORKYARD_SETUP_CACHE__MAX_BYTES`` / ``__DIR``)."""
 
+    policy_hosts: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.0/8", "::1"])
+    """Inference servers a rollout may name (``FORKYARD_POLICY_HOSTS``, JSON list): host names, ``*.domain``,
+    networks (``10.0.0.0/8``) or ``*`` for any; default: this machine only."""
+
     sandbox_limits: SandboxLimitSettings = Field(default_factory=SandboxLimitSettings)
     """Per-sandbox maximum resources (``FORKYARD_SANDBOX_LIMITS__MAX_CPUS`` / ``__MAX_MEMORY_MB``)."""
 

@@ -6,17 +6,64 @@ announces a version; until then its version is 0 and it is not paused.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.db import utcnow
-from gateway.errors import ConflictError, NotFoundError
+from gateway.errors import ConflictError, InvalidRequestError, NotFoundError
 from gateway.policies.models import Policy
 
 logger = logging.getLogger(__name__)
+
+
+def _host_allowed(host: str, allowed: Sequence[str]) -> bool:
+    host = host.strip("[]").lower().rstrip(".")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    for entry in allowed:
+        entry = entry.strip().lower()
+        if entry == "*":
+            return True
+        if address is not None:
+            try:
+                if address in ipaddress.ip_network(entry, strict=False):
+                    return True
+            except ValueError:
+                pass
+            continue
+        if entry.startswith("*.") and host.endswith(entry[1:]):
+            return True
+        if host == entry.rstrip("."):
+            return True
+    return False
+
+
+def check_inference_servers(base_urls: Sequence[str], *, allowed: Sequence[str]) -> None:
+    """Refuse a policy whose servers are not on the operator's list (``FORKYARD_POLICY_HOSTS``).
+
+    A rollout makes the gateway POST to its ``base_urls``; unchecked, any key holder could
+    aim those requests at anything the gateway can reach. Names match exactly (or
+    ``*.domain``), IP addresses by network, ``*`` allows any.
+
+    Raises:
+        InvalidRequestError: 422, code ``policy_host_not_allowed``, naming the host.
+    """
+    for url in base_urls:
+        host = urlsplit(str(url)).hostname or ""
+        if not _host_allowed(host, allowed):
+            raise InvalidRequestError(
+                f"Inference server host {host!r} is not one this gateway may call; an operator allows it "
+                "with FORKYARD_POLICY_HOSTS (host names, *.domain, networks such as 10.0.0.0/8, or *).",
+                code="policy_host_not_allowed",
+            )
 
 
 async def get_policy(*, db_session: AsyncSession, name: str) -> Policy:

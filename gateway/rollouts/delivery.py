@@ -39,7 +39,12 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.db import new_id, utcnow
 from gateway.episodes.models import Episode
-from gateway.episodes.service import is_stale_now, lock_rollout, training_views, withdraw_stale
+from gateway.episodes.service import (
+    is_stale_now,
+    lock_rollout,
+    training_views,
+    withdraw_stale,
+)
 from gateway.errors import NotFoundError, error_body
 from gateway.middleware import current_request_id
 from gateway.policies.service import current_version

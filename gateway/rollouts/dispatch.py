@@ -27,15 +27,21 @@ from gateway.environments.models import Environment
 from gateway.episodes import service as episodes_service
 from gateway.policies import service as policies_service
 from gateway.rollouts import service as rollouts_service
-from gateway.tasks import service as tasks_service
 from gateway.rollouts.models import EpisodeStatus
+from gateway.tasks import service as tasks_service
 from gateway.tasks.models import Task
 from sandboxes.base import LABEL_OWNER
+from workers.branching import BranchingSpec, Tree
 from workers.errors import WorkerError
 from workers.policy import create_policy_client
-from workers.branching import BranchingSpec, Tree
 from workers.policy.base import PolicyClient, Sampling
-from workers.runner import AgentSettings, EpisodeResult, StageLimits, StepRecord, run_episode
+from workers.runner import (
+    AgentSettings,
+    EpisodeResult,
+    StageLimits,
+    StepRecord,
+    run_episode,
+)
 
 if TYPE_CHECKING:
     from gateway.episodes.models import Episode

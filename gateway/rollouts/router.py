@@ -8,14 +8,16 @@ from typing import Any
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
-from gateway.dependencies import DbSession
+from gateway.dependencies import CurrentSettings, DbSession
 from gateway.episodes.schemas import EpisodeRead
 from gateway.errors import BadRequestError, InvalidRequestError
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
+from gateway.policies.service import check_inference_servers
 from gateway.rollouts import delivery, service
 from gateway.rollouts.models import Rollout, RolloutStatus
 from gateway.rollouts.schemas import (
     CONSUMER_PATTERN,
+    MAX_SEQ,
     AckRequest,
     AckResponse,
     DeadLetter,
@@ -60,8 +62,9 @@ async def _read_all(db_session: DbSession, rows: list[Rollout]) -> list[RolloutR
 
 
 @router.post("", status_code=201, response_model=RolloutRead)
-async def create_rollout(body: RolloutCreate, request: Request, db_session: DbSession):
+async def create_rollout(body: RolloutCreate, request: Request, db_session: DbSession, settings: CurrentSettings):
     """Create a rollout: group_size queued episodes for each task."""
+    check_inference_servers([str(u) for u in body.policy.base_urls], allowed=settings.policy_hosts)
     row = await service.create_rollout(db_session=db_session, spec=body)
     _submit(request, row.id)
     return (await _read_all(db_session, [row]))[0]
@@ -136,7 +139,7 @@ async def stream(
     consumer: str = Query(min_length=1, max_length=200),
     batch_size: int = Query(16, ge=1, le=1024),
     visibility_timeout_s: float = Query(60.0, ge=0.0, le=43_200.0),
-    cursor: int | None = Query(None, ge=0, description="Last seq received; overrides Last-Event-ID."),
+    cursor: int | None = Query(None, ge=0, le=MAX_SEQ, description="Last seq received; overrides Last-Event-ID."),
     redeliver: bool = Query(False, description="Redeliver every pending (unacked) episode at once."),
     last_event_id: str | None = Header(None),
 ):
@@ -148,6 +151,8 @@ async def stream(
             cursor = int(last_event_id)
         except ValueError as exc:
             raise BadRequestError(f"Last-Event-ID {last_event_id[:40]!r} is not a stream position.") from exc
+        if not 0 <= cursor <= MAX_SEQ:
+            raise BadRequestError(f"Last-Event-ID {last_event_id[:40]!r} is not a stream position (0 to 2**62).")
     await service.get_rollout(db_session=db_session, rollout_id=rollout_id)
     await db_session.commit()
     events = delivery.stream_events(

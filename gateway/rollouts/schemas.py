@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AnyHttpUrl,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from gateway.episodes.schemas import EpisodeRead, EpisodeTraining
 from gateway.policies.schemas import POLICY_NAME_PATTERN
@@ -13,6 +20,8 @@ from gateway.rollouts.models import GroupMode, RolloutStatus, StalenessAction
 
 #: Most episodes (tasks x group_size) one rollout may ask for.
 MAX_EPISODES_PER_ROLLOUT = 100_000
+#: Largest stream position or weight-version gap a request may name (the database stores 64-bit integers).
+MAX_SEQ = 2**62
 #: What a consumer (group) name may hold.
 CONSUMER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,199}$"
 
@@ -44,7 +53,7 @@ class SamplingSpec(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     max_tokens: int = Field(default=256, ge=1, le=1_000_000)
     stop: list[str] = Field(default_factory=list, max_length=16)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
 
 
 class PolicySpec(BaseModel):
@@ -126,7 +135,7 @@ class BranchingSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    at_turns: list[int] | None = Field(default=None, min_length=1, max_length=16,
+    at_turns: list[Annotated[int, Field(ge=0, le=1000)]] | None = Field(default=None, min_length=1, max_length=16,
                                        description="Fork at the start of these turns (0-based, increasing).")
     fanout: int = Field(default=2, ge=2, le=64, description="Branches per branch point, the original included.")
     max_episodes: int | None = Field(default=None, ge=2, le=MAX_TREE_EPISODES,
@@ -172,7 +181,7 @@ class RolloutCreate(BaseModel):
     policy: PolicySpec
     agent: AgentSpec = Field(default_factory=AgentSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
-    max_staleness: int | None = Field(default=None, ge=0,
+    max_staleness: int | None = Field(default=None, ge=0, le=MAX_SEQ,
                                       description="Most versions an episode's oldest turn may lag the policy.")
     staleness_action: StalenessAction = StalenessAction.DEAD_LETTER
     max_attempts: int = Field(default=2, ge=1, le=20, description="Attempts per sample (stale reruns, restarts).")
@@ -271,7 +280,7 @@ class PullRequest(BaseModel):
     wait_s: float = Field(default=0.0, ge=0.0, le=30.0, description="Long-poll up to this long for an episode.")
     visibility_timeout_s: float = Field(default=60.0, ge=0.0, le=43_200.0,
                                         description="Redeliver an episode not acked this long after delivery.")
-    cursor: int | None = Field(default=None, ge=0, description="Last seq received (after a crash): pending "
+    cursor: int | None = Field(default=None, ge=0, le=MAX_SEQ, description="Last seq received (after a crash): pending "
                                "episodes after it are redelivered at once.")
     redeliver: bool = Field(default=False, description="Redeliver every pending (unacked) episode at once.")
 

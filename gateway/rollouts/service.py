@@ -27,7 +27,11 @@ from gateway.rollouts.models import (
     Rollout,
     RolloutStatus,
 )
-from gateway.rollouts.schemas import MAX_EPISODES_PER_ROLLOUT, RolloutCreate, TaskSelection
+from gateway.rollouts.schemas import (
+    MAX_EPISODES_PER_ROLLOUT,
+    RolloutCreate,
+    TaskSelection,
+)
 from gateway.tasks.models import Task
 
 logger = logging.getLogger(__name__)

@@ -119,9 +119,11 @@ class Generation:
 class PolicyError(WorkerError):
     """The policy could not produce a generation: unreachable server, HTTP error, garbage body."""
 
-    def __init__(self, message: str, *, server: str | None = None) -> None:
+    def __init__(self, message: str, *, server: str | None = None, detail: str | None = None) -> None:
         super().__init__(message)
         self.server = server
+        self.detail = detail
+        """The server's own error text, for the client's logic and logs; never part of the message."""
 
 
 @runtime_checkable
@@ -205,26 +207,20 @@ def check_logprob(value: Any, *, index: int, server: str) -> float:
 
 
 def _snippet(value: Any) -> str:
+    """Describe ``value`` by its shape, never its content: error reasons reach API clients.
+
+    Echoing a reply would let any key holder read what an arbitrary URL answers (the
+    policy's ``base_urls`` are the caller's); the content goes to the gateway's log.
+    """
     text = value if isinstance(value, str) else json.dumps(value, default=repr)
-    return repr(text[:_SNIPPET_CHARS] + ("..." if len(text) > _SNIPPET_CHARS else ""))
+    logger.warning("policy server reply (not echoed to the client): %s", text[:_SNIPPET_CHARS])
+    kind = "text" if isinstance(value, str) else type(value).__name__
+    return f"<{kind} of {len(text)} characters, logged by the gateway>"
 
 
 def _error_detail(response: httpx.Response) -> str:
-    """Return the server's own error message from an error body, else a snippet of it."""
-    try:
-        body = response.json()
-    except ValueError:
-        return _snippet(response.text) if response.text else "(empty body)"
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"]
-        if isinstance(error, str):
-            return error
-        for key in ("message", "detail"):
-            if isinstance(body.get(key), str):
-                return body[key]
-    return _snippet(body)
+    """Describe an error body without echoing it (its content is logged)."""
+    return _snippet(response.text) if response.text else "(empty body)"
 
 
 class _Retry(Exception):
@@ -316,7 +312,9 @@ class HTTPPolicy:
             finally:
                 self.pool.done(server)
         assert last is not None
-        raise PolicyError(f"{last} (gave up after {self.max_attempts} tries)", server=last.server)
+        raise PolicyError(
+            f"{last} (gave up after {self.max_attempts} tries)", server=last.server, detail=last.detail
+        )
 
     async def _attempt(self, server: str, path: str, body: dict[str, Any]) -> tuple[str, Any, float]:
         url = server + path
@@ -340,12 +338,14 @@ class HTTPPolicy:
             error = PolicyError(
                 f"policy server {server} is unavailable (HTTP 503 on POST {path}): {_error_detail(response)}",
                 server=server,
+                detail=response.text[:_SNIPPET_CHARS],
             )
             raise _Retry(error, server_down=False)
         if response.status_code >= 400:
             raise PolicyError(
                 f"policy server {server} answered HTTP {response.status_code} to POST {path}: {_error_detail(response)}",
                 server=server,
+                detail=response.text[:_SNIPPET_CHARS],
             )
         try:
             payload = response.json()

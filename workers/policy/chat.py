@@ -141,12 +141,12 @@ class ChatPolicy(HTTPPolicy):
         return self._generation(payload, server=server, latency=latency)
 
     def _refuses_auto_tools(self, exc: PolicyError) -> bool:
-        message = str(exc)
+        detail = exc.detail or ""
         return (
             not self._tool_choice_fixed
             and self.tool_choice == "auto"
-            and "HTTP 400" in message
-            and any(hint in message for hint in _NO_AUTO_TOOLS_HINTS)
+            and "HTTP 400" in str(exc)
+            and any(hint in detail for hint in _NO_AUTO_TOOLS_HINTS)
         )
 
     @staticmethod

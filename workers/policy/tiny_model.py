@@ -132,7 +132,16 @@ def _corpus() -> list[str]:
 
 def _train_tokenizer(vocab_size: int):
     """Train the byte-level BPE tokenizer (specials first, then the tool tokens last)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
 
     # Exactly the pipeline transformers' Qwen2Tokenizer rebuilds around a vocabulary,
     # so `tokenizers`, transformers 4 and 5 and vLLM all produce the same ids.
