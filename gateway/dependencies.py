@@ -9,6 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.db import get_db_session
 from gateway.errors import UnavailableError
+from gateway.sessions.gate import StepGate
 from gateway.settings import Settings
 from workers.runtime import WorkerRuntime
 
@@ -26,9 +27,19 @@ def get_runtime(request: Request) -> WorkerRuntime:
     return runtime
 
 
+def get_step_gate(request: Request) -> StepGate:
+    """Return the app's record of which sessions are stepping or closing."""
+    gate = getattr(request.app.state, "step_gate", None)
+    if gate is None:
+        gate = request.app.state.step_gate = StepGate()
+    return gate
+
+
 DbSession = Annotated[AsyncSession, Depends(get_db_session)]
 """A database session for one request."""
 Runtime = Annotated[WorkerRuntime, Depends(get_runtime)]
 """The worker runtime the lifespan started."""
 CurrentSettings = Annotated[Settings, Depends(get_settings)]
 """The app's settings."""
+Gate = Annotated[StepGate, Depends(get_step_gate)]
+"""One step at a time per session (:class:`gateway.sessions.service.StepGate`)."""

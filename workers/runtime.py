@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sandboxes.base import LABEL_OWNER, SandboxBackend, SandboxInfo
-from workers.errors import ActionError, ImageBuildError, SessionNotFoundError
+from workers.errors import (
+    ActionError,
+    ImageBuildError,
+    SessionClosedError,
+    SessionNotFoundError,
+)
 
 if TYPE_CHECKING:
     from sandboxes.snapshots import Snapshot
@@ -99,6 +104,7 @@ class WorkerRuntime:
         self.counters: collections.Counter[str] = collections.Counter()
         """What the envs did: ``env_steps``, ``resets``, ``setup_runs``, ``setup_cache_hits``/``_misses``, ``setup_uncacheable``."""
         self._envs: dict[str, TerminalEnv] = {}
+        self._running_steps: dict[str, asyncio.Future[StepResult]] = {}
         self._build_locks: dict[str, asyncio.Lock] = {}
 
     @property
@@ -209,8 +215,23 @@ class WorkerRuntime:
             raise SessionNotFoundError(f"no open session {session_id} on node {self.node}") from None
 
     async def step(self, session_id: str, tool: str, arguments: dict[str, Any]) -> StepResult:
-        """Apply one action in the session's environment."""
-        return await self._env(session_id).step(tool, arguments)
+        """Apply one action in the session's environment.
+
+        Raises:
+            SessionClosedError: the session was closed while the step ran (the close interrupts it).
+        """
+        running = asyncio.ensure_future(self._env(session_id).step(tool, arguments))
+        self._running_steps[session_id] = running
+        try:
+            return await running
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if running.cancelled() and not (current is not None and current.cancelling()):
+                raise SessionClosedError(f"session {session_id} was closed while this step ran") from None
+            raise
+        finally:
+            if self._running_steps.get(session_id) is running:
+                del self._running_steps[session_id]
 
     async def run_oracle(self, session_id: str) -> StepResult:
         """Run the task's oracle solution, then verify."""
@@ -219,6 +240,10 @@ class WorkerRuntime:
     async def close_session(self, session_id: str) -> None:
         """Destroy the session's sandbox; closing twice is fine."""
         env = self._envs.pop(session_id, None)
+        running = self._running_steps.pop(session_id, None)
+        if running is not None and not running.done():
+            running.cancel()  # the step answers SessionClosedError instead of holding the close
+            await asyncio.wait([running])
         if env is not None:
             await env.close()
             logger.info("session %s closed", session_id)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from datetime import datetime
-
 from typing import Any
 
 from sqlalchemy import JSON, Enum, ForeignKey, Index, String, Text

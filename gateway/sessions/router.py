@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query, Response
 
-from gateway.dependencies import CurrentSettings, DbSession, Runtime
+from gateway.dependencies import CurrentSettings, DbSession, Gate, Runtime
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.sessions import service
 from gateway.sessions.models import SessionState
@@ -37,12 +37,15 @@ async def open_session(
 
 @router.post("/{session_id}/step", response_model=StepRead)
 async def step_session(
-    session_id: str, body: SessionStep, db_session: DbSession, runtime: Runtime
+    session_id: str, body: SessionStep, db_session: DbSession, runtime: Runtime, gate: Gate
 ):
-    """Apply one action (a tool call) and answer the observation, reward and end flags."""
+    """Apply one action (a tool call) and answer the observation, reward and end flags.
+
+    One step at a time: a step sent while another of the session runs gets 409 ``session_busy``.
+    """
     result = await service.step_session(
         db_session=db_session, runtime=runtime, session_id=session_id,
-        tool=body.action.tool, arguments=body.action.arguments,
+        tool=body.action.tool, arguments=body.action.arguments, gate=gate,
     )
     return StepRead(observation=result.observation, reward=result.reward, terminated=result.terminated,
                     truncated=result.truncated, info=result.info)
@@ -70,7 +73,7 @@ async def get_session(session_id: str, db_session: DbSession):
 
 
 @router.delete("/{session_id}", status_code=204, response_class=Response)
-async def close_session(session_id: str, db_session: DbSession, runtime: Runtime):
-    """Close the session and destroy its sandbox (idempotent)."""
-    await service.close_session(db_session=db_session, runtime=runtime, session_id=session_id)
+async def close_session(session_id: str, db_session: DbSession, runtime: Runtime, gate: Gate):
+    """Close the session and destroy its sandbox (idempotent); a step it interrupts answers 409 ``session_closed``."""
+    await service.close_session(db_session=db_session, runtime=runtime, session_id=session_id, gate=gate)
     return Response(status_code=204)

@@ -19,6 +19,7 @@ from gateway.db import new_id, utcnow
 from gateway.errors import ConflictError, NotFoundError, RateLimitedError
 from gateway.pagination import page_of, paginate
 from gateway.sandboxes.models import Sandbox
+from gateway.sessions.gate import StepGate
 from gateway.sessions.models import EnvSession, SessionState
 from gateway.tasks.models import Task
 from gateway.tasks.service import get_task, load_terminal_task
@@ -124,15 +125,33 @@ async def open_session(
 
 
 async def step_session(
-    *, db_session: AsyncSession, runtime: WorkerRuntime, session_id: str, tool: str, arguments: dict
+    *, db_session: AsyncSession, runtime: WorkerRuntime, session_id: str, tool: str, arguments: dict,
+    gate: StepGate | None = None,
 ) -> StepResult:
     """Apply one action; a terminated or truncated result ends the session and frees its sandbox.
 
     Raises:
         NotFoundError: no such session.
-        ConflictError: the session is not open (code ``session_closed``).
+        ConflictError: the session is not open or was closed meanwhile (code ``session_closed``),
+            or another step of it is running (``session_busy``).
         ActionError: unknown tool or bad arguments; the session stays open.
     """
+    gate = gate or StepGate()
+    with gate.stepping(session_id):
+        try:
+            return await _step_once(db_session, runtime, session_id, tool, arguments, gate)
+        except ConflictError:
+            raise
+        except Exception as exc:
+            if not gate.is_closing(session_id):
+                raise
+            raise ConflictError(f"Session {session_id!r} was closed while this step ran.",
+                                code="session_closed") from exc
+
+
+async def _step_once(
+    db_session: AsyncSession, runtime: WorkerRuntime, session_id: str, tool: str, arguments: dict, gate: StepGate
+) -> StepResult:
     row = await get_session(db_session=db_session, session_id=session_id)
     if row.state != SessionState.OPEN:
         raise ConflictError(f"Session {session_id!r} is {row.state.value} and takes no more steps.",
@@ -141,10 +160,14 @@ async def step_session(
     try:
         result = await runtime.step(session_id, tool, arguments)
     except SessionClosedError:
+        if gate.is_closing(session_id):
+            raise  # the close ends the session as closed; step_session answers session_closed
         await _finish(db_session, session_id, SessionState.CLOSED, error="the worker had already ended the session")
         await _release(runtime, session_id)
         raise
     except SessionNotFoundError as exc:
+        if gate.is_closing(session_id):
+            raise
         await _finish(db_session, session_id, SessionState.FAILED,
                       error="the worker does not know the session (it restarted or lost the sandbox)")
         await _release(runtime, session_id)
@@ -153,6 +176,8 @@ async def step_session(
             "it is marked failed.", code="session_closed",
         ) from exc
     except (SandboxCrashedError, SandboxNotFoundError) as exc:
+        if gate.is_closing(session_id):
+            raise
         await _finish(db_session, session_id, SessionState.FAILED, error=_error_text(exc))
         await _release(runtime, session_id)
         raise
@@ -175,12 +200,15 @@ async def step_session(
     return result
 
 
-async def close_session(*, db_session: AsyncSession, runtime: WorkerRuntime, session_id: str) -> EnvSession:
+async def close_session(
+    *, db_session: AsyncSession, runtime: WorkerRuntime, session_id: str, gate: StepGate | None = None
+) -> EnvSession:
     """Close a session and destroy its sandbox; closing an ended session again is a no-op."""
     row = await get_session(db_session=db_session, session_id=session_id)
     await db_session.commit()
-    await runtime.close_session(session_id)
-    await _finish(db_session, session_id, SessionState.CLOSED)
+    with (gate or StepGate()).closing(session_id):
+        await runtime.close_session(session_id)
+        await _finish(db_session, session_id, SessionState.CLOSED)
     await _collect_snapshots(db_session, runtime, row.node)
     await db_session.refresh(row)
     return row
