@@ -1,14 +1,17 @@
-"""Sandbox latency: create, exec, file write, destroy on both backends vs. baselines.
+"""Sandbox latency: create, exec, file write, snapshot, fork, destroy on every backend vs. baselines.
 
 Run with ``.venv/bin/python bench/sandboxes.py [--runs 50]`` as root after
 ``bash .ci/bootstrap``. All measurements come from the same run:
 
-- ``local`` and ``docker``: the Forkyard backends (one persistent shell per sandbox);
+- ``local (crun)``, ``local (runc)``, ``local (gvisor)``: the local backend under each OCI
+  runtime installed here (the spec is the same; gVisor where ``runsc`` exists), and
+  ``docker``: the Forkyard backends (one persistent shell per sandbox);
 - ``docker CLI``: raw ``docker run --rm`` / ``docker exec`` (the engine's own floor);
 - ``SWE-ReX``: its local deployment, a bash session, ``echo hi`` (the peer baseline),
   installed only in ``bench/.venv-swerex`` (created on first use).
 
-Prints p50 and p95 in milliseconds and ratios against the baselines.
+Prints p50 and p95 in milliseconds and ratios against the baselines. ``fork`` is the
+time per branch of one ``restore(snapshot, 8)``.
 """
 
 from __future__ import annotations
@@ -45,12 +48,18 @@ def pct(values: list[float], q: float) -> float:
     return ordered[idx] * 1000
 
 
-async def bench_backend(kind: str, runs: int, root: Path) -> dict[str, list[float]]:
+FORK_BRANCHES = 8
+
+
+async def bench_backend(
+    kind: str, runs: int, root: Path, *, isolation: str = "standard", runtime: str | None = None
+) -> dict[str, list[float]]:
     """Time the backend contract operations ``runs`` times each."""
-    backend = create_backend(kind, node="bench", root_dir=root / kind)
+    backend = create_backend(kind, node="bench", root_dir=root / f"{kind}-{runtime or isolation}",
+                             isolation=isolation, runtime=runtime)
     image = await ensure_base_image(backend, DEFAULT_IMAGE_CACHE)
     spec = SandboxSpec(image=image)
-    out: dict[str, list[float]] = {"create": [], "exec": [], "write": [], "destroy": []}
+    out: dict[str, list[float]] = {"create": [], "exec": [], "write": [], "snapshot": [], "fork": [], "destroy": []}
     try:
         warm = await backend.create(spec)
         await backend.destroy(warm.id)
@@ -75,6 +84,18 @@ async def bench_backend(kind: str, runs: int, root: Path) -> dict[str, list[floa
                 t = time.perf_counter()
                 await backend.write_file(info.id, f"/tmp/bench-{i}", payload)
                 out["write"].append(time.perf_counter() - t)
+            for i in range(max(runs // 5, 3)):
+                # A 1 MB change since the last snapshot (the previous one removed).
+                await backend.exec(info.id, f"rm -f /tmp/snap-*; head -c 1048576 /dev/urandom > /tmp/snap-{i}")
+                t = time.perf_counter()
+                snap = await backend.snapshot(info.id)
+                out["snapshot"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                branches = await backend.restore(snap, FORK_BRANCHES)
+                out["fork"].append((time.perf_counter() - t) / FORK_BRANCHES)
+                for branch in branches:
+                    await backend.destroy(branch.id)
+                await backend.delete_snapshot(snap.id)
         finally:
             await backend.destroy(info.id)
     finally:
@@ -137,9 +158,21 @@ def main() -> None:
     parser.add_argument("--skip-swerex", action="store_true")
     args = parser.parse_args()
 
+    from sandboxes.errors import BackendUnavailableError
+    from sandboxes.oci import RUNTIMES
+
     results: dict[str, dict[str, list[float]]] = {}
+    skipped: list[str] = []
     with tempfile.TemporaryDirectory(prefix="forkyard-bench-") as tmp:
-        results["local"] = asyncio.run(bench_backend("local", args.runs, Path(tmp)))
+        for isolation, names in RUNTIMES.items():
+            for name in names:
+                label = f"local ({name})" if isolation == "standard" else f"local ({isolation})"
+                try:
+                    results[label] = asyncio.run(
+                        bench_backend("local", args.runs, Path(tmp), isolation=isolation, runtime=name)
+                    )
+                except BackendUnavailableError as exc:
+                    skipped.append(f"{label}: {exc}")
         if docker_available():
             results["docker"] = asyncio.run(bench_backend("docker", args.runs, Path(tmp)))
             from sandboxes.images import base_image_ref
@@ -148,7 +181,7 @@ def main() -> None:
     if not args.skip_swerex:
         results["SWE-ReX"] = bench_swerex(args.runs)
 
-    ops = ["create", "exec", "write", "destroy"]
+    ops = ["create", "exec", "write", "snapshot", "fork", "destroy"]
     print(f"# bench/sandboxes.py — {time.strftime('%Y-%m-%d')} — {platform.node()} "
           f"({os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}), runs={args.runs}")
     print()
@@ -160,16 +193,20 @@ def main() -> None:
             v = data.get(op, [])
             cells.append(f"{pct(v, 0.5):.2f} / {pct(v, 0.95):.2f}" if v else "—")
         print(f"| {name} | " + " | ".join(cells) + " |")
+    for line in skipped:
+        print(f"\nnot measured: {line}")
     print()
     print("Ratios (baseline p50 / Forkyard p50; >1 means Forkyard is faster):")
-    for ours in ("local", "docker"):
+    for ours in [k for k in results if k.startswith("local") or k == "docker"]:
         if ours not in results:
             continue
-        for base in ("docker CLI", "SWE-ReX"):
+        for base in ("docker CLI", "SWE-ReX", "docker"):
+            if base == ours:
+                continue
             if not results.get(base):
                 continue
             parts = []
-            for op in ("create", "exec", "write"):
+            for op in ("create", "exec", "write", "snapshot", "fork"):
                 a, b = results[ours].get(op), results[base].get(op)
                 if a and b:
                     parts.append(f"{op} {statistics.median(b) / statistics.median(a):.1f}x")

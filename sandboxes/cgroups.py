@@ -188,10 +188,27 @@ class SandboxCgroup:
                         pass
             time.sleep(0.005)
 
+    def _all_paths(self) -> list[Path]:
+        """Return the group's dirs in every hierarchy, deepest first (an OCI runtime may nest its own inside)."""
+        tops = list(self.paths)
+        if self.version == 1:
+            for hierarchy in sorted(self.root.iterdir()):
+                candidate = hierarchy / self.parent / self.name
+                if candidate not in tops and (hierarchy / "cgroup.procs").exists() and candidate.is_dir():
+                    tops.append(candidate)
+        found: list[Path] = []
+        for top in tops:
+            if top.is_dir():
+                nested = [Path(d) for d, _, _ in os.walk(top)]
+                found += sorted(nested, key=lambda p: len(p.parts), reverse=True)
+            else:
+                found.append(top)
+        return found
+
     def remove(self, timeout_s: float = 5.0) -> None:
         """Remove the group(s); they must be empty (see kill_all). Missing groups are fine."""
         deadline = time.monotonic() + timeout_s
-        for path in self.paths:
+        for path in self._all_paths():
             while True:
                 try:
                     path.rmdir()

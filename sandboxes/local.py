@@ -1120,6 +1120,8 @@ class LocalBackend:
             uid=user.uid if user else 0, gid=user.gid if user else 0, additional_gids=user.groups if user else (),
             hostname=sb.id, network_namespace=f"{joined}/net" if joined else None,
             user_namespace=f"{joined}/user" if joined else None,
+            # runc makes cgroups of its own (crun is told not to): nest them in the sandbox's.
+            cgroups_path=f"/{sb.cgroup.parent}/{sb.id}/runtime" if self.runtime.name == "runc" else None,
         )  # fmt: skip
         spec["root"]["path"] = str(sb.merged)
         _write_json(sb.dir / "config.json", spec)

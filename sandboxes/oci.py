@@ -157,10 +157,13 @@ def runtime_problem(
     names = [preferred] if preferred else list(RUNTIMES[isolation])
     if "crun" in names and _installed("crun") and len(names) == 1:
         return crun_cgroup_problem(cgroup_root)
-    packages = " or ".join(PACKAGES[n] for n in names)
+    if names == ["runsc"]:
+        how = "install gVisor's runsc; Debian 12 does not package it"
+    else:
+        how = "apt-get install " + " or ".join(PACKAGES[n] for n in names)
     return (
         f"the local sandbox backend's {isolation!r} isolation needs the OCI runtime {' or '.join(names)}, "
-        f"which is not installed (apt-get install {packages})"
+        f"which is not installed ({how})"
     )
 
 
@@ -188,6 +191,7 @@ def container_spec(
     user_namespace: str | None = None,
     private_network: bool = True,
     shm_bytes: int = 64 << 20,
+    cgroups_path: str | None = None,
 ) -> dict:
     """Return the OCI ``config.json`` of a sandbox whose root is the bundle's ``rootfs``.
 
@@ -196,6 +200,8 @@ def container_spec(
             None with ``private_network`` makes a fresh one with only a loopback.
         user_namespace: a user namespace to join (the one owning ``network_namespace``)
             instead of making one; its id mapping is then that namespace's.
+        cgroups_path: where a runtime that manages cgroups (runc) puts its own, in every
+            hierarchy; inside the sandbox's cgroup, so they go with it.
         private_network: False keeps the runtime's network namespace (the host's): never
             for a sandbox; :mod:`sandboxes.network` gives sandboxes their outbound network.
     """
@@ -251,6 +257,8 @@ def container_spec(
     }
     if user_namespace:
         del spec["linux"]["uidMappings"], spec["linux"]["gidMappings"]
+    if cgroups_path:
+        spec["linux"]["cgroupsPath"] = cgroups_path
     return spec
 
 

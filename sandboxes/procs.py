@@ -35,10 +35,17 @@ def start_ticks(pid: int) -> int | None:
 
 
 def child_pids(pid: int) -> list[int]:
-    """Return the children of ``pid`` (from /proc/PID/task/PID/children, else a /proc scan)."""
+    """Return the children of ``pid`` (from /proc/PID/task/*/children, else a /proc scan).
+
+    Every thread's list counts: a multi-threaded parent (runc is Go) forks from any thread.
+    """
     try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            return [int(k) for k in fh.read().split()]
+        tasks = os.listdir(f"/proc/{pid}/task")
+        found: list[int] = []
+        for task in tasks:
+            with open(f"/proc/{pid}/task/{task}/children") as fh:
+                found.extend(int(k) for k in fh.read().split())
+        return found
     except OSError:
         pass
     kids = []

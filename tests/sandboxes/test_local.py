@@ -382,3 +382,42 @@ def test_image_refs_are_validated():
 def test_layer_paths_with_separators_are_refused():
     with tempfile.TemporaryDirectory(prefix="forkyard,bad-") as tmp, pytest.raises(SandboxError, match="overlay layer"):
         LocalBackend(tmp, "n")
+
+
+@pytest.mark.parametrize("runtime", ["crun", "runc"])
+async def test_each_oci_runtime_runs_the_same_sandbox(backend_root, base_rootfs, node_name, runtime):
+    lb = LocalBackend(backend_root, f"{node_name}-{runtime}", runtime=runtime)
+    ids: list[str] = []
+    try:
+        assert lb.runtime.name == runtime
+        await lb.import_rootfs(str(base_rootfs), BASE_REF, BASE_CONFIG)
+        info = await lb.create(SPEC)
+        ids.append(info.id)
+        r = await lb.exec(info.id, "id -u; cat /proc/self/uid_map; grep NoNewPrivs /proc/self/status; cd /tmp; export X=1")
+        uid, mapping, nnp = r.stdout.splitlines()
+        assert uid == "0" and mapping.split() == ["0", str(oci.UID_BASE), str(oci.UID_COUNT)]
+        assert nnp.split()[1] == "1"
+        snap = await lb.snapshot(info.id)
+        branches = await lb.restore(snap, 2)
+        ids += [b.id for b in branches]
+        r = await lb.exec(branches[1].id, "pwd; echo $X")
+        assert r.stdout == "/tmp\n1\n"
+        for sid in ids:
+            await lb.destroy(sid)
+        await lb.delete_snapshot(snap.id)
+        assert local_leftovers(backend_root, ids) == []
+        # runc makes cgroups in every hierarchy; none may stay (crun is told to make none).
+        stray = [str(p) for p in Path("/sys/fs/cgroup").glob("*/forkyard/*") if p.is_dir() and p.name in ids]
+        stray += [str(p) for p in Path("/sys/fs/cgroup").glob("*/shell-*")]
+        assert stray == []
+    finally:
+        for sid in ids:
+            await lb.destroy(sid)
+        await lb.aclose()
+
+
+def test_runtime_outside_the_tier_is_refused(backend_root):
+    with pytest.raises(BackendUnavailableError, match="not one of the 'standard' tier"):
+        LocalBackend(backend_root, "n", runtime="runsc")
+    with pytest.raises(BackendUnavailableError, match="runsc"):
+        LocalBackend(backend_root, "n", isolation="gvisor")

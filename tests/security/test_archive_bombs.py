@@ -35,34 +35,31 @@ def _pax_bomb(header_mib: int = 32) -> bytes:
     return b"".join(parts)
 
 
-def _ratio_bomb(mib: int = 64) -> bytes:
-    """A gzip'd tar holding one task file of ``mib`` MiB of zeros (about a thousandfold compression)."""
+def _task_tar(name: str, extra: tarfile.TarInfo, content: bytes | None = None) -> bytes:
+    """A plain tar of a small valid task ``name`` plus one more member."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as archive:
-        for path, text in task_files("zeros").items():
+        for path, text in task_files(name).items():
             data = text.encode()
-            info = tarfile.TarInfo(f"zeros/{path}")
+            info = tarfile.TarInfo(f"{name}/{path}")
             info.size = len(data)
             archive.addfile(info, io.BytesIO(data))
-        info = tarfile.TarInfo("zeros/environment/blob")
-        info.size = mib << 20
-        archive.addfile(info, io.BytesIO(bytes(mib << 20)))
-    return gzip.compress(buf.getvalue(), compresslevel=6)
+        archive.addfile(extra, io.BytesIO(content) if content is not None else None)
+    return buf.getvalue()
+
+
+def _ratio_bomb(mib: int = 64) -> bytes:
+    """A gzip'd tar holding one task file of ``mib`` MiB of zeros (about a thousandfold compression)."""
+    blob = tarfile.TarInfo("zeros/environment/blob")
+    blob.size = mib << 20
+    return gzip.compress(_task_tar("zeros", blob, bytes(mib << 20)), compresslevel=6)
 
 
 def _linked(kind: bytes) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as archive:
-        for path, text in task_files("linky").items():
-            data = text.encode()
-            info = tarfile.TarInfo(f"linky/{path}")
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-        link = tarfile.TarInfo("linky/tests/secret")
-        link.type = kind
-        link.linkname = "/etc/shadow" if kind == tarfile.SYMTYPE else "linky/../../etc/shadow"
-        archive.addfile(link)
-    return buf.getvalue()
+    link = tarfile.TarInfo("linky/tests/secret")
+    link.type = kind
+    link.linkname = "/etc/shadow" if kind == tarfile.SYMTYPE else "linky/../../etc/shadow"
+    return gzip.compress(_task_tar("linky", link))
 
 
 async def _upload(gateway, body: bytes):  # noqa: F811
