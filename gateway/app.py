@@ -12,6 +12,7 @@ from fastapi import APIRouter, Depends, FastAPI
 
 from gateway.auth import service as auth_service
 from gateway.auth.dependencies import require_api_key
+from gateway.openapi import declare_error_responses
 from gateway.db import check_database, create_engine, create_sessionmaker, redact_database_url, upgrade_database
 from gateway.environments import service as environments_service
 from gateway.environments.router import router as environments_router
@@ -161,4 +162,5 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
                    episodes_router, policies_router, snapshots_router):
         v1.include_router(router)
     app.include_router(v1)
+    declare_error_responses(app)
     return app
