@@ -12,16 +12,22 @@ from fastapi import APIRouter, Depends, FastAPI
 
 from gateway.auth import service as auth_service
 from gateway.auth.dependencies import require_api_key
-from gateway.openapi import declare_error_responses
-from gateway.db import check_database, create_engine, create_sessionmaker, redact_database_url, upgrade_database
+from gateway.db import (
+    check_database,
+    create_engine,
+    create_sessionmaker,
+    redact_database_url,
+    upgrade_database,
+)
 from gateway.environments import service as environments_service
 from gateway.environments.router import router as environments_router
 from gateway.episodes.router import router as episodes_router
 from gateway.errors import install_error_handlers
 from gateway.metrics import router as metrics_router
 from gateway.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
-from gateway.rollouts.dispatch import Dispatcher
+from gateway.openapi import declare_error_responses
 from gateway.policies.router import router as policies_router
+from gateway.rollouts.dispatch import Dispatcher
 from gateway.rollouts.router import router as rollouts_router
 from gateway.sandboxes.router import router as sandboxes_router
 from gateway.sessions import service as sessions_service

@@ -163,7 +163,7 @@ async def _build_base(settings: Settings, kinds: Sequence[str]) -> int:
     from sandboxes.errors import SandboxError
     from sandboxes.images import ensure_base_image
 
-    progress: Callable[[str], None] = lambda line: _stderr(f"  {line}")  # noqa: E731
+    progress: Callable[[str], None] = lambda line: _stderr(f"  {line}")
     for kind in kinds:
         try:
             backend = create_backend(kind, node=settings.node, root_dir=settings.sandboxes_dir,

@@ -16,7 +16,12 @@ from typing import Any
 from fastapi import Request
 from sqlalchemy import JSON, DateTime, MetaData, event
 from sqlalchemy.engine import Dialect, make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
 from sqlalchemy.orm import DeclarativeBase
 from sqlalchemy.types import TypeDecorator
 

@@ -5,7 +5,12 @@ from gateway.db import Base
 from gateway.environments.models import Environment, EnvironmentFamily
 from gateway.episodes.models import Episode, EpisodeStep
 from gateway.policies.models import Policy
-from gateway.rollouts.models import DeliveryConsumer, DeliveryLease, EpisodeGroup, Rollout
+from gateway.rollouts.models import (
+    DeliveryConsumer,
+    DeliveryLease,
+    EpisodeGroup,
+    Rollout,
+)
 from gateway.sandboxes.models import Sandbox
 from gateway.sessions.models import EnvSession, SessionState
 from gateway.snapshots.models import SnapshotRecord

@@ -62,7 +62,6 @@ def create_backend(
         logger.info("sandbox backend auto-selected: %s", kind)
     if kind == "local":
         from sandboxes.local import LocalBackend
-
         from sandboxes.network import EgressPolicy
 
         egress = EgressPolicy(

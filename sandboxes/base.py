@@ -34,11 +34,13 @@ class SandboxState(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Resources:
-    """CPU, memory and process-count limits of one sandbox."""
+    """CPU, memory, process-count and disk limits of one sandbox."""
 
     cpus: float = 1.0
     memory_mb: int = 1024
     pids: int = 256
+    disk_mb: int = 10240
+    """Bytes the sandbox may write (its writable layer), in MiB; where the backend can enforce it."""
 
 
 @dataclass(frozen=True)

@@ -342,6 +342,9 @@ class DockerBackend:
         except docker.errors.NotFound:
             raise
         except docker.errors.APIError as exc:
+            # An image removed by a concurrent call (another snapshot's sweep) is answered with a 500.
+            if "unrecognized image id" in str(exc.explanation or exc).lower():
+                raise docker.errors.NotFound(str(exc.explanation or exc), response=exc.response) from exc
             raise SandboxError(f"Docker engine failed to {what}: {exc.explanation or exc}") from exc
         except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
             raise SandboxError(f"Docker engine at {self.base_url} failed to {what}: {exc}") from exc

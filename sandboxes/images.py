@@ -170,7 +170,7 @@ def build_base_rootfs(
                 **_recipe(),
                 "mirror": mirror,
                 "debootstrap": version,
-                "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "built_at": datetime.datetime.now(datetime.UTC).isoformat(),
             }
             (work / "recipe.json").write_text(json.dumps(manifest, indent=2) + "\n")
             os.chmod(work, 0o755)

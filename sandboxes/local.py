@@ -76,6 +76,8 @@ from sandboxes.cgroups import (
     available_controllers,
     cgroup_version,
 )
+from sandboxes.disk import DEFAULT_IMAGE as DEFAULT_DISK_IMAGE
+from sandboxes.disk import SandboxDisks
 from sandboxes.errors import (
     BackendUnavailableError,
     FileTooLargeError,
@@ -522,6 +524,8 @@ class LocalBackend:
         isolation: str = DEFAULT_ISOLATION,
         runtime: str | None = None,
         egress: EgressPolicy | None = None,
+        disk_quotas: bool = True,
+        disk_image: Path = DEFAULT_DISK_IMAGE,
     ) -> None:
         """Open the backend over ``root_dir`` (made 0700).
 
@@ -529,6 +533,9 @@ class LocalBackend:
             isolation: ``standard`` (crun, else runc) or ``gvisor`` (runsc).
             runtime: insist on this runtime of the tier (``crun``, ``runc``, ``runsc``).
             egress: what sandboxes with ``network=True`` may reach (:mod:`sandboxes.network`).
+            disk_quotas: hold each sandbox to its ``resources.disk_mb`` (:mod:`sandboxes.disk`);
+                where that cannot be set up the backend warns and runs without.
+            disk_image: the sparse image of the sandboxes' disk filesystem.
         """
         problem = host_problem(cgroup_root, isolation) or runtime_problem(
             isolation, preferred=runtime, cgroup_root=cgroup_root
@@ -554,10 +561,16 @@ class LocalBackend:
         os.chmod(self.root_dir, 0o700)
         key = hashlib.sha256(str(self.root_dir).encode()).hexdigest()[:16]
         self._mounts_dir = MOUNTS_ROOT / key / "sandboxes"
-        for d in (MOUNTS_ROOT, MOUNTS_ROOT / key, self._mounts_dir):
-            d.mkdir(exist_ok=True)
-            os.chown(d, 0, UID_BASE)  # walkable by root and by the sandboxes' root, by nobody else
-            os.chmod(d, 0o710)
+        self._disks: SandboxDisks | None = None
+        self._disks_dir = self.root_dir / "sandboxes"
+        if disk_quotas:
+            try:
+                self._disks = SandboxDisks.ensure(disk_image)
+            except SandboxError as exc:
+                logger.warning("local sandboxes get no disk quota (one can fill the host's disk): %s", exc)
+            else:
+                self._disks_dir = self._disks.mountpoint / key
+        self._ensure_run_dirs()
         self._images = self.root_dir / "images"
         self._layers = self.root_dir / "layers"
         self._sandboxes_dir = self.root_dir / "sandboxes"
@@ -705,13 +718,14 @@ class LocalBackend:
         ``trusted.overlay.opaque`` xattrs, so the layer means the same as a lower layer.
         """
         sdir = self._sandbox_dir(sandbox_id)
-        if not (sdir / "upper").is_dir():
+        upper = self._disk_dir(sandbox_id) / "upper"
+        if not sdir.is_dir() or not upper.is_dir():
             raise SandboxNotFoundError(f"no sandbox {sandbox_id!r} on node {self.node!r}")
         layer_id = secrets.token_hex(16)
         tmp = self._layers / f".tmp-{layer_id}"
         tmp.mkdir()
         proc = await asyncio.create_subprocess_exec(
-            "cp", "-a", "--", f"{sdir / 'upper'}/.", str(tmp),
+            "cp", "-a", "--", f"{upper}/.", str(tmp),
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )  # fmt: skip
         _, err = await proc.communicate()
@@ -925,8 +939,26 @@ class LocalBackend:
 
     # -------------------------------------------------------------- sandboxes
 
+    def _ensure_run_dirs(self) -> None:
+        """Make the dirs sandboxes are mounted and kept in (another backend of this root may remove them when idle)."""
+        for d in (MOUNTS_ROOT, self._mounts_dir.parent, self._mounts_dir):
+            try:
+                d.mkdir()
+            except FileExistsError:
+                continue
+            os.chown(d, 0, UID_BASE)  # walkable by root and by the sandboxes' root, by nobody else
+            os.chmod(d, 0o710)
+        if self._disks is not None:
+            self._disks_dir.mkdir(mode=0o700, exist_ok=True)
+
     def _merged_dir(self, sandbox_id: str) -> Path:
         return self._mounts_dir / sandbox_id
+
+    def _disk_dir(self, sandbox_id: str) -> Path:
+        """Return the dir holding the sandbox's upper and work dirs (its quota'd subvolume, where there are quotas)."""
+        if self._disks is not None:
+            return self._disks_dir / sandbox_id
+        return self._sandboxes_dir / sandbox_id
 
     def _sandbox_dir(self, sandbox_id: str) -> Path:
         if not _ID_RE.fullmatch(sandbox_id):
@@ -1033,16 +1065,21 @@ class LocalBackend:
             sdir.mkdir()
         except FileExistsError:
             return None
-        for sub in ("upper", "work", "run"):
-            (sdir / sub).mkdir()
+        (sdir / "run").mkdir()
+        self._ensure_run_dirs()
+        disk = self._disk_dir(sid)
+        if self._disks is not None:
+            self._disks.create(disk, limit_bytes=int(spec.resources.disk_mb) << 20)
+        for sub in ("upper", "work"):
+            (disk / sub).mkdir()
         merged = self._merged_dir(sid)
         merged.mkdir(exist_ok=True)
         # The overlay's root takes the upper dir's owner and mode: root of the sandbox, not of the host.
-        os.chown(sdir / "upper", UID_BASE, UID_BASE)
+        os.chown(disk / "upper", UID_BASE, UID_BASE)
         workdir = normalize_sandbox_path(spec.workdir or config.workdir or "/")
         rootfd = -1
         try:
-            self._volatile = _mount_overlay(layers, sdir / "upper", sdir / "work", merged, self._volatile)
+            self._volatile = _mount_overlay(layers, disk / "upper", disk / "work", merged, self._volatile)
             rootfd = os.open(merged, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             if source is None:
                 self._prepare_rootfs(rootfd, workdir)
@@ -1442,6 +1479,8 @@ class LocalBackend:
             raise SandboxError(f"sandbox {sandbox_id}: {merged} is still mounted; not deleting it")
         with contextlib.suppress(FileNotFoundError):
             merged.rmdir()
+        if self._disks is not None:
+            await asyncio.to_thread(self._disks.destroy, self._disk_dir(sandbox_id))
         if sdir.exists():
             await asyncio.to_thread(shutil.rmtree, sdir)
         logger.debug("sandbox %s destroyed", sandbox_id)
@@ -1462,6 +1501,11 @@ class LocalBackend:
         self._sandboxes.clear()
         if waits:
             await asyncio.wait(waits, timeout=5.0)
+        # This root's mount and disk dirs go once no sandbox (live or orphaned) is in them.
+        for d in (self._mounts_dir, self._mounts_dir.parent, self._disks_dir if self._disks else None):
+            if d is not None:
+                with contextlib.suppress(OSError):
+                    d.rmdir()
 
 
 __all__ = ["LocalBackend", "host_problem", "parse_image_ref"]

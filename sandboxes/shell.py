@@ -202,13 +202,13 @@ class ShellChannel:
             timed_out = False
             try:
                 await asyncio.wait_for(self._finished.wait(), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 timed_out = True
                 if on_timeout is not None:
                     await on_timeout()
                 try:
                     await asyncio.wait_for(self._finished.wait(), grace_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     # A builtin loop (`while :; do :; done`) cannot be killed apart from
                     # the shell itself: the backend replaces the shell.
                     self.broken = True

@@ -102,6 +102,7 @@ class Snapshot:
                 "cpus": self.resources.cpus,
                 "memory_mb": self.resources.memory_mb,
                 "pids": self.resources.pids,
+                "disk_mb": self.resources.disk_mb,
             },
             "network": self.network,
             "digest": self.digest,

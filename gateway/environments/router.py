@@ -6,7 +6,11 @@ from fastapi import APIRouter, Query
 
 from gateway.dependencies import DbSession
 from gateway.environments import service
-from gateway.environments.schemas import EnvironmentCreate, EnvironmentPage, EnvironmentRead
+from gateway.environments.schemas import (
+    EnvironmentCreate,
+    EnvironmentPage,
+    EnvironmentRead,
+)
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 
 router = APIRouter(prefix="/environments", tags=["environments"])

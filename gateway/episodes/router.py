@@ -6,7 +6,14 @@ from fastapi import APIRouter, Query
 
 from gateway.dependencies import DbSession
 from gateway.episodes import service
-from gateway.episodes.schemas import EpisodeDetail, EpisodePage, EpisodeRead, EpisodeTraining, EpisodeTree, StepRead
+from gateway.episodes.schemas import (
+    EpisodeDetail,
+    EpisodePage,
+    EpisodeRead,
+    EpisodeTraining,
+    EpisodeTree,
+    StepRead,
+)
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.rollouts.models import EpisodeStatus
 

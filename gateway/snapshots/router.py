@@ -8,7 +8,13 @@ from gateway.dependencies import CurrentSettings, DbSession, Runtime
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.snapshots import service
 from gateway.snapshots.models import SnapshotRecord
-from gateway.snapshots.schemas import ForkedSession, ForkedSessions, SnapshotFork, SnapshotPage, SnapshotRead
+from gateway.snapshots.schemas import (
+    ForkedSession,
+    ForkedSessions,
+    SnapshotFork,
+    SnapshotPage,
+    SnapshotRead,
+)
 
 router = APIRouter(tags=["snapshots"])
 

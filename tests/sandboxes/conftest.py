@@ -39,6 +39,7 @@ def local_leftovers(root_dir: Path, ids: list[str]) -> list[str]:
         found += [f"mount {m}" for m in mountpoints if f"/sandboxes/{sid}/" in m + "/"]
         cgroup = SandboxCgroup(sid)
         found += [f"cgroup {p}" for p in cgroup.paths if p.exists()]
+        found += [f"disk {p}" for p in Path("/run/forkyard/disk").glob(f"*/{sid}")]
     marks = [f"/forkyard/{sid}" for sid in ids]
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:

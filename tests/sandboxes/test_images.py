@@ -29,6 +29,7 @@ from sandboxes.images import (
     ensure_base_image,
 )
 
+
 @pytest.fixture
 def cache_dir():
     path = Path(tempfile.mkdtemp(prefix="forkyard-imgtest-"))

@@ -7,7 +7,6 @@ import errno
 import json
 import os
 import signal
-import socket
 import tempfile
 import uuid
 from pathlib import Path

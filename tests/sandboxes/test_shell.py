@@ -9,7 +9,14 @@ import pytest
 from sandboxes.base import normalize_sandbox_path
 from sandboxes.errors import PathEscapeError
 from sandboxes.procs import kill_descendants_since, ticks_now
-from sandboxes.shell import ABORT_SIGNAL, STDERR, STDOUT, TIMEOUT_EXIT_CODE, ShellChannel, ansi_c_quote
+from sandboxes.shell import (
+    ABORT_SIGNAL,
+    STDERR,
+    STDOUT,
+    TIMEOUT_EXIT_CODE,
+    ShellChannel,
+    ansi_c_quote,
+)
 
 
 @pytest.fixture
