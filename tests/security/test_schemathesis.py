@@ -44,7 +44,7 @@ def test_no_server_error_and_no_undeclared_status(gateway_for_fuzzing, tmp_path)
          "--phases", "examples,coverage,fuzzing", "--max-examples", str(MAX_EXAMPLES), "--seed", "20261201",
          "--request-timeout", "60", "--exclude-path-regex", "/stream$",
          "--report", "junit", "--report-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=840, check=False,
+        capture_output=True, text=True, timeout=840, check=False, cwd=tmp_path,
         env={**os.environ, "NO_COLOR": "1"},
     )  # fmt: skip
     out = proc.stdout + proc.stderr
