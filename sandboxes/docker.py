@@ -88,9 +88,11 @@ from sandboxes.procs import (
 )
 from sandboxes.shell import (
     ABORT_SIGNAL,
+    KILL_SINCE_SCRIPT,
     SHELL_DIED_EXIT_CODE,
     STDERR,
     STDOUT,
+    UPTIME_SCRIPT,
     ShellChannel,
     ansi_c_quote,
 )
@@ -140,28 +142,6 @@ _STATES = {
     "exited": SandboxState.FAILED,
     "dead": SandboxState.FAILED,
 }
-
-# The container's clock in ticks (1/100 s, the unit of /proc/PID/stat starttime).
-_UPTIME_SCRIPT = r"""read -r up _ < /proc/uptime; echo "${up/./}" """
-# Abort the shell's command (USR1), then kill, inside the container, every process but PID 1, the shell (pid $2) and this script
-# that started at or after tick $1 (the timed-out command and all it spawned, reparented or
-# not). Only builtins, so the script forks nothing that could kill itself. Used when the
-# engine's processes are not visible in this host's /proc.
-_KILL_SCRIPT = r"""
-since=$1 shell=$2
-kill -USR1 "$shell" 2>/dev/null
-for round in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do
-  n=0
-  for f in /proc/[0-9]*/stat; do
-    p=${f#/proc/}; p=${p%/stat}
-    { [ "$p" = 1 ] || [ "$p" = "$$" ] || [ "$p" = "$shell" ]; } && continue
-    read -r l < "$f" 2>/dev/null || continue
-    set -- ${l##*) }
-    [ "${20}" -ge "$since" ] 2>/dev/null && kill -9 "$p" 2>/dev/null && n=$((n + 1))
-  done
-  [ "$n" = 0 ] && break
-done
-"""
 
 T = TypeVar("T")
 
@@ -291,6 +271,30 @@ def _single_file_tar(name: str, data: bytes, mode: int) -> bytes:
     return out.getvalue()
 
 
+#: Engines already warned about (once per process) for having no disk quotas.
+_WARNED_NO_QUOTA: set[str] = set()
+
+
+def _storage_driver(client: docker.DockerClient) -> str:
+    try:
+        info = client.info()
+    except (docker.errors.DockerException, requests.exceptions.RequestException, OSError):  # answers ping, not info
+        return "unknown"
+    status = dict(info.get("DriverStatus") or [])
+    backing = status.get("Backing Filesystem")
+    return f"{info.get('Driver', 'unknown')}" + (f" on {backing}" if backing else "")
+
+
+def _disk_quota_kind(client: docker.DockerClient) -> str | None:
+    """Return how the engine's storage driver limits a container's disk (see ``DockerBackend``)."""
+    driver = _storage_driver(client)
+    if driver.split()[0] in ("btrfs", "zfs"):
+        return "rootfs"
+    if driver == "overlay2 on xfs":
+        return "layer"
+    return None
+
+
 class DockerBackend:
     """Run sandboxes as Docker containers, each driven through one attached persistent bash."""
 
@@ -323,6 +327,16 @@ class DockerBackend:
         """Run docker-init as PID 1 so bash is an ordinary process that can be signalled."""
         self._host_proc = True
         """Use host /proc for kills and files when the engine's pids are visible (tests turn it off)."""
+        self._disk_quota = _disk_quota_kind(client)
+        """How the engine limits a container's disk: ``layer`` (overlay2 on xfs: the writable layer),
+        ``rootfs`` (btrfs, zfs: image included), or None (no limit: warned once here)."""
+        if self._disk_quota is None and self.base_url not in _WARNED_NO_QUOTA:
+            _WARNED_NO_QUOTA.add(self.base_url)
+            logger.warning(
+                "the Docker engine at %s cannot limit a container's disk (storage driver %s); "
+                "docker sandboxes run without disk quotas (btrfs, zfs or overlay2 on xfs with pquota can)",
+                self.base_url, _storage_driver(client),
+            )
         self._sandboxes: dict[str, _Sandbox] = {}
         self._attach_lock = asyncio.Lock()
         self._closed = False
@@ -565,7 +579,9 @@ class DockerBackend:
         if spec.workdir:
             kwargs["working_dir"] = normalize_sandbox_path(spec.workdir)
         try:
-            container = await self._call("create a container", self._client.containers.create, spec.image, **kwargs)
+            if self._disk_quota is not None:
+                kwargs["storage_opt"] = {"size": f"{await self._disk_limit_mb(spec.image, res.disk_mb)}M"}
+            container = await self._create_container(spec.image, kwargs)
         except docker.errors.ImageNotFound as exc:
             raise ImageNotFoundError(f"image {spec.image!r} is not known to the Docker engine") from exc
         except docker.errors.NotFound as exc:
@@ -582,6 +598,26 @@ class DockerBackend:
         attrs = await self._inspect(sbx.id)
         logger.info("created docker sandbox %s from %s on node %s", sbx.id[:12], spec.image, self.node)
         return self._info(attrs)
+
+    async def _disk_limit_mb(self, image: str, disk_mb: int) -> int:
+        """Return the engine's ``size`` for ``disk_mb`` of writes: btrfs and zfs count the image too."""
+        if self._disk_quota != "rootfs":
+            return int(disk_mb)
+        attrs = await self._call("inspect an image", self._api.inspect_image, image)
+        return int(disk_mb) + -(-int(attrs.get("Size") or 0) // (1 << 20))
+
+    async def _create_container(self, image: str, kwargs: dict[str, Any]):
+        try:
+            return await self._call("create a container", self._client.containers.create, image, **kwargs)
+        except SandboxError as exc:
+            # overlay2 on xfs mounted without pquota says so only when asked: run on without quotas.
+            if "storage_opt" not in kwargs or "storage-opt" not in str(exc):
+                raise
+            logger.warning("the Docker engine at %s refuses disk quotas (%s); docker sandboxes run without them",
+                           self.base_url, exc)
+            self._disk_quota = None
+            del kwargs["storage_opt"]
+            return await self._call("create a container", self._client.containers.create, image, **kwargs)
 
     async def exec(
         self,
@@ -645,7 +681,7 @@ class DockerBackend:
             # at most this round trip, taken on the early side so the whole command dies.
             before = time.monotonic()
             clock = await self._call(
-                "read the container clock", container.exec_run, ["/bin/bash", "-c", _UPTIME_SCRIPT], user="0"
+                "read the container clock", container.exec_run, ["/bin/bash", "-c", UPTIME_SCRIPT], user="0"
             )
             after = time.monotonic()
             since = int(clock.output.decode().strip()) - int((after - started) * 100) - 1
@@ -653,7 +689,7 @@ class DockerBackend:
             out = await self._call(
                 "kill a timed-out command",
                 container.exec_run,
-                ["/bin/bash", "-c", _KILL_SCRIPT, "forkyard-kill", str(since), str(sbx.shell_pid)],
+                ["/bin/bash", "-c", KILL_SINCE_SCRIPT, "forkyard-kill", str(since), str(sbx.shell_pid)],
                 user="0",
             )
             logger.debug("kill script in %s: exit %s %r", sbx.id[:12], out.exit_code, out.output[-500:])

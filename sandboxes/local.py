@@ -86,7 +86,7 @@ from sandboxes.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
-from sandboxes.network import EgressPolicy, SandboxNetwork, start_network
+from sandboxes.network import SLIRP_DNS, EgressPolicy, SandboxNetwork, start_network
 from sandboxes.oci import (
     DEFAULT_ISOLATION,
     UID_BASE,
@@ -106,6 +106,7 @@ from sandboxes.procs import (
 )
 from sandboxes.shell import (
     ABORT_SIGNAL,
+    KILL_SINCE_SCRIPT,
     SHELL_DIED_EXIT_CODE,
     STDERR,
     STDOUT,
@@ -251,6 +252,43 @@ def _child_pid(pid: int) -> int | None:
     """Return the (single) child of ``pid``."""
     kids = child_pids(pid)
     return kids[0] if kids else None
+
+
+def _gvisor_sandbox_pid(pid: int) -> int | None:
+    """Return the child of runsc ``pid`` that is gVisor's sandbox (its kernel), not its file gofer."""
+    for kid in child_pids(pid):
+        try:
+            with open(f"/proc/{kid}/cmdline", "rb") as fh:
+                if fh.read(64).startswith(b"runsc-sandbox\0"):
+                    return kid
+        except OSError:
+            continue
+    return None
+
+
+def _keep_tmp_on_disk(spec: dict, rootfs: Path) -> None:
+    """Bind the rootfs's own ``/tmp`` over itself: gVisor would otherwise put an empty /tmp in memory.
+
+    Files there would then escape snapshots, forks and the disk quota. Only a real
+    directory is bound (the host resolves the source: never follow a sandbox's symlink).
+    """
+    tmp = rootfs / "tmp"
+    try:
+        if not stat.S_ISDIR(os.lstat(tmp).st_mode):
+            return
+    except OSError:
+        return
+    spec["mounts"].append({"destination": "/tmp", "type": "bind", "source": str(tmp), "options": ["rbind"]})
+
+
+def _loopback_up(pid: int) -> None:
+    """Bring up the loopback of process ``pid``'s network namespace (blocking)."""
+    proc = subprocess.run(
+        ["nsenter", f"--net=/proc/{pid}/ns/net", "--", "ip", "link", "set", "lo", "up"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise SandboxError(f"cannot bring up the sandbox's loopback: {proc.stderr.strip()[-300:]}")
 
 
 def _mount_overlay(lowers: list[str], upper: Path, work: Path, merged: Path, volatile: bool) -> bool:
@@ -461,6 +499,7 @@ class _Shell:
     init_pid: int  # the bash, pid 1 of the sandbox's pid namespace
     init_start: int | None
     network: SandboxNetwork | None = None  # slirp4netns, for sandboxes with network
+    clock_offset: float = 0.0  # gVisor: its uptime minus our monotonic clock (its processes' start times)
 
     @property
     def channel(self) -> ShellChannel:
@@ -770,7 +809,8 @@ class LocalBackend:
     def _freeze(self, sb: _Sandbox) -> list[int]:
         """SIGSTOP the sandbox's processes other than its shell so its upper dir holds still."""
         shell = sb.shell
-        skip = {shell.pid, shell.init_pid} if shell is not None else set()
+        # Under gVisor the sandbox's processes are threads of its kernel: stop all of it.
+        skip = set() if shell is None else {shell.pid} if self.runtime.name == "runsc" else {shell.pid, shell.init_pid}
         stopped = []
         for pid in sb.cgroup.pids():
             if pid in skip:
@@ -953,6 +993,9 @@ class LocalBackend:
 
     def _merged_dir(self, sandbox_id: str) -> Path:
         return self._mounts_dir / sandbox_id
+
+    def _resolv_conf(self, sandbox_id: str) -> Path:
+        return self._mounts_dir / f"{sandbox_id}.resolv.conf"
 
     def _disk_dir(self, sandbox_id: str) -> Path:
         """Return the dir holding the sandbox's upper and work dirs (its quota'd subvolume, where there are quotas)."""
@@ -1147,20 +1190,39 @@ class LocalBackend:
         sb.starts += 1
         user = sb.user
         joined = None
+        networked = sb.spec.network
         if sb.spec.network_of is not None:
             peer = self._live(sb.spec.network_of)
             if peer.shell is None or not _alive(peer.shell.init_pid, peer.shell.init_start):
                 raise SandboxError(f"sandbox {peer.id}, whose network sandbox {sb.id} joins, has no running shell")
             joined = f"/proc/{peer.shell.init_pid}/ns"
+            networked = peer.spec.network
+        resolv_conf = None
+        if networked:
+            # slirp4netns's resolver, on a file of the sandbox's own (its root may edit it, as in
+            # docker), beside its mount point where the runtime's user namespace can reach it.
+            resolv_conf = self._resolv_conf(sb.id)
+            if not resolv_conf.exists():
+                resolv_conf.write_text(f"nameserver {SLIRP_DNS}\n")
+                os.chown(resolv_conf, UID_BASE, UID_BASE)
         spec = container_spec(
             args=["/bin/bash", "--noprofile", "--norc"], env=env, cwd=cwd,
             uid=user.uid if user else 0, gid=user.gid if user else 0, additional_gids=user.groups if user else (),
             hostname=sb.id, network_namespace=f"{joined}/net" if joined else None,
-            user_namespace=f"{joined}/user" if joined else None,
+            # runsc's gofer (a Go program) cannot join a user namespace; its sandbox joins the
+            # peer's network namespace from the host's and gets a user namespace of its own.
+            user_namespace=f"{joined}/user" if joined and self.runtime.name != "runsc" else None,
             # runc makes cgroups of its own (crun is told not to): nest them in the sandbox's.
             cgroups_path=f"/{sb.cgroup.parent}/{sb.id}/runtime" if self.runtime.name == "runc" else None,
+            resolv_conf=str(resolv_conf) if resolv_conf else None,
         )  # fmt: skip
         spec["root"]["path"] = str(sb.merged)
+        if self.runtime.name == "runsc":
+            _keep_tmp_on_disk(spec, sb.merged)
+            # gVisor answers EPERM for every errno rule of a spec's filter, and glibc falls back
+            # from clone3 to clone only on ENOSYS; gVisor's own clone3 is ENOSYS already.
+            rules = spec["linux"]["seccomp"]["syscalls"]
+            rules[:] = [r for r in rules if r.get("errnoRet") != errno.ENOSYS]
         _write_json(sb.dir / "config.json", spec)
         return self.runtime.run_argv(str(sb.dir), f"shell-{sb.starts}", str(sb.dir / "run"))
 
@@ -1183,6 +1245,9 @@ class LocalBackend:
         # needs it, so it exports the locale variables in its first command.
         env = {k: v for k, v in sb.env.items() if not _LOCALE_VAR.fullmatch(k)}
         ready = "".join(f"export {k}={ansi_c_quote(v)}; " for k, v in sb.env.items() if k not in env) + ready
+        gvisor = self.runtime.name == "runsc"
+        if gvisor:  # gVisor's kernel has a clock of its own: read it, to place commands on it
+            ready += ' && { read -r __fy_up _ < /proc/uptime; printf "\\n%s\\n" "$__fy_up"; unset __fy_up; }'
         process = await _ShellProcess.spawn(self._shell_argv(sb, cwd, env), {"PATH": DEFAULT_PATH})
         shell = _Shell(process=process, pid=process.pid, init_pid=0, init_start=None)
         # Joining a cgroup waits for an RCU grace period (milliseconds) unless a process joined
@@ -1195,7 +1260,12 @@ class LocalBackend:
             if answer.exit_code != 0:
                 detail = answer.stderr.strip().splitlines()[-1:] or [f"exit code {answer.exit_code}"]
                 raise SandboxError(f"the shell of sandbox {sb.id} did not start: {detail[0]}")
-            init_pid = _child_pid(shell.pid)
+            # Under gVisor the host sees the runtime's two processes; the sandbox's own run in
+            # gVisor's kernel, the process that owns its namespaces.
+            if gvisor:
+                # Read just after the answer: an offset early by at most the round trip.
+                shell.clock_offset = float(answer.stdout.split()[-1]) - time.monotonic()
+            init_pid = _gvisor_sandbox_pid(shell.pid) if gvisor else _child_pid(shell.pid)
             if init_pid is None:
                 raise SandboxError(f"the shell of sandbox {sb.id} vanished while starting")
             shell.init_pid, shell.init_start = init_pid, start_ticks(init_pid)
@@ -1204,7 +1274,7 @@ class LocalBackend:
             # fresh one, as setns(2) moves only the calling thread: a failed return trip can
             # never leave the event loop's thread inside a sandbox), one writes meta.json.
             finishing = asyncio.gather(
-                _in_fresh_thread(functools.partial(self._settle_shell, sb, shell)),
+                _in_fresh_thread(functools.partial(self._settle_shell, sb, shell, self.runtime.name == "runsc")),
                 _in_fresh_thread(functools.partial(self._write_meta, sb, shell, state)),
                 return_exceptions=True,
             )
@@ -1223,7 +1293,7 @@ class LocalBackend:
         return shell
 
     @staticmethod
-    def _settle_shell(sb: _Sandbox, shell: _Shell) -> None:
+    def _settle_shell(sb: _Sandbox, shell: _Shell, gvisor: bool = False) -> None:
         """Put a started shell into the cgroups (blocking)."""
         # The runtime may have forked the bash before it joined. The bash has run only builtins
         # so far, so once it is inside, every process of the sandbox is.
@@ -1232,6 +1302,10 @@ class LocalBackend:
                 sb.cgroup.add(shell.init_pid)
         except OSError as exc:
             raise SandboxError(f"cannot put the shell of sandbox {sb.id} into its cgroup: {exc}") from exc
+        if gvisor and sb.spec.network_of is None:
+            # crun and runc bring a new namespace's loopback up; runsc, whose sockets are the
+            # host's inside that namespace, leaves it down.
+            _loopback_up(shell.init_pid)
 
     async def _stop_shell(self, shell: _Shell) -> None:
         """Kill the shell (and with it its pid namespace) and reap the runtime."""
@@ -1278,6 +1352,9 @@ class LocalBackend:
             since = ticks_now()
 
             async def on_timeout() -> None:
+                if self.runtime.name == "runsc":
+                    await self._gvisor_kill_command(sb, shell)
+                    return
                 # Abort the command list in the shell first, then kill what it started.
                 signal_pid(shell.init_pid, ABORT_SIGNAL)
                 await asyncio.to_thread(kill_descendants_since, shell.init_pid, since)
@@ -1293,6 +1370,25 @@ class LocalBackend:
                 if sb.state is SandboxState.BUSY:
                     sb.state = SandboxState.READY
             return result
+
+    async def _gvisor_kill_command(self, sb: _Sandbox, shell: _Shell) -> None:
+        """Abort a timed-out command under gVisor, whose processes the host cannot see: from inside."""
+        since_ticks = int((shell.channel.command_started_at + shell.clock_offset) * 100) - 1
+        argv = self.runtime.exec_argv(
+            str(sb.dir / "run"), f"shell-{sb.starts}",
+            ["/bin/bash", "--noprofile", "--norc", "-c", KILL_SINCE_SCRIPT, "forkyard-kill", str(since_ticks), "1"],
+        )  # fmt: skip
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            _, err = await asyncio.wait_for(proc.communicate(), 10.0)
+        except (OSError, TimeoutError) as exc:
+            logger.warning("sandbox %s: cannot kill its timed-out command: %s", sb.id, exc)
+            return
+        if proc.returncode != 0:
+            logger.warning("sandbox %s: the kill of its timed-out command failed: %s", sb.id, err.decode()[-300:])
 
     async def _recover(self, sb: _Sandbox, shell: _Shell, result: ExecResult) -> ExecResult:
         """Replace a shell that exited or hung, keeping the sandbox usable."""
@@ -1479,6 +1575,8 @@ class LocalBackend:
             raise SandboxError(f"sandbox {sandbox_id}: {merged} is still mounted; not deleting it")
         with contextlib.suppress(FileNotFoundError):
             merged.rmdir()
+        with contextlib.suppress(FileNotFoundError):
+            self._resolv_conf(sandbox_id).unlink()
         if self._disks is not None:
             await asyncio.to_thread(self._disks.destroy, self._disk_dir(sandbox_id))
         if sdir.exists():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -70,7 +71,7 @@ RUNTIMES: Mapping[str, tuple[str, ...]] = {"standard": ("crun", "runc"), "gvisor
 ISOLATION_TIERS = tuple(RUNTIMES)
 DEFAULT_ISOLATION = "standard"
 #: The Debian package of each runtime.
-PACKAGES = {"crun": "crun", "runc": "runc", "runsc": "gvisor"}
+PACKAGES = {"crun": "crun", "runc": "runc", "runsc": "runsc"}
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,22 @@ class Runtime:
         if self.name == "crun":
             args.append("--cgroup-manager=disabled")  # the cgroups are Forkyard's (sandboxes.cgroups)
         elif self.name == "runsc":
-            # gVisor: its own kernel in user space; the host's cgroups stay Forkyard's.
-            args.append("--ignore-cgroups")
+            args += self.GVISOR_FLAGS
         return [*args, "run", f"--bundle={bundle}", container_id]
+
+    #: gVisor's flags. The host's cgroups stay Forkyard's. Files go straight to the overlay
+    #: upper dir (not into gVisor's in-memory overlay), so snapshots and quotas see them.
+    #: Sockets are the host kernel's *inside the sandbox's own network namespace* (gVisor's
+    #: "host" network): slirp4netns and the nftables egress rules work as with crun, and a
+    #: verifier fork joining that namespace reaches services the agent started.
+    GVISOR_FLAGS = ("--ignore-cgroups", "--overlay2=none", "--file-access=shared", "--network=host", "--oci-seccomp")
+
+    def exec_argv(self, state_dir: str, container_id: str, argv: Sequence[str]) -> list[str]:
+        """Return the command that runs ``argv`` as root (with CAP_KILL) in a running container."""
+        if self.name != "runsc":
+            raise NotImplementedError(f"{self.name}: the local backend reaches its sandboxes from the host")
+        return [self.path, f"--root={state_dir}", *self.GVISOR_FLAGS, "exec", "--user=0:0", "--cap=CAP_KILL",
+                container_id, *argv]  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)
@@ -120,6 +134,24 @@ def crun_cgroup_problem(cgroup_root: Path = Path("/sys/fs/cgroup")) -> str | Non
     )
 
 
+#: The oldest gVisor release (its date) whose statx accepts what Debian 12's coreutils pass
+#: (``AT_NO_AUTOMOUNT``): with Debian 12's own runsc (2022-12-19) every ``ls`` fails with EINVAL.
+MIN_RUNSC_RELEASE = 20240101
+
+
+def runsc_problem(path: str) -> str | None:
+    """Return why the runsc at ``path`` is too old to run Debian userlands, or None."""
+    line = _version_line(path)
+    found = re.search(r"(20\d{6})", line)
+    if found is None or int(found.group(1)) >= MIN_RUNSC_RELEASE:
+        return None
+    return (
+        f"{path} is gVisor {found.group(1)}, older than {MIN_RUNSC_RELEASE}: its statx refuses what Debian's "
+        "coreutils pass, so ls and stat fail in every sandbox; install Debian 13's runsc package "
+        "(one static binary; .ci/bootstrap does)"
+    )
+
+
 def _installed(name: str) -> str | None:
     path = shutil.which(name) or next(
         (p for p in (f"/usr/bin/{name}", f"/usr/sbin/{name}") if os.access(p, os.X_OK)), None
@@ -140,6 +172,8 @@ def find_runtime(
             continue
         if name == "crun" and crun_cgroup_problem(cgroup_root) is not None:
             continue
+        if name == "runsc" and runsc_problem(path) is not None:
+            continue
         return Runtime(name=name, path=path)
     return None
 
@@ -158,7 +192,11 @@ def runtime_problem(
     if "crun" in names and _installed("crun") and len(names) == 1:
         return crun_cgroup_problem(cgroup_root)
     if names == ["runsc"]:
-        how = "install gVisor's runsc; Debian 12 does not package it"
+        runsc = _installed("runsc")
+        problem = runsc_problem(runsc) if runsc else None
+        if problem:
+            return f"the local sandbox backend's {isolation!r} isolation cannot use {problem}"
+        how = "apt-get install runsc, from Debian 13; Debian 12's is too old"
     else:
         how = "apt-get install " + " or ".join(PACKAGES[n] for n in names)
     return (
@@ -192,6 +230,7 @@ def container_spec(
     private_network: bool = True,
     shm_bytes: int = 64 << 20,
     cgroups_path: str | None = None,
+    resolv_conf: str | None = None,
 ) -> dict:
     """Return the OCI ``config.json`` of a sandbox whose root is the bundle's ``rootfs``.
 
@@ -200,6 +239,7 @@ def container_spec(
             None with ``private_network`` makes a fresh one with only a loopback.
         user_namespace: a user namespace to join (the one owning ``network_namespace``)
             instead of making one; its id mapping is then that namespace's.
+        resolv_conf: a host file bind-mounted on ``/etc/resolv.conf`` (a networked sandbox's resolver).
         cgroups_path: where a runtime that manages cgroups (runc) puts its own, in every
             hierarchy; inside the sandbox's cgroup, so they go with it.
         private_network: False keeps the runtime's network namespace (the host's): never
@@ -255,6 +295,11 @@ def container_spec(
             "seccomp": seccomp_profile(),
         },
     }
+    if resolv_conf is not None:
+        spec["mounts"].append(
+            {"destination": "/etc/resolv.conf", "type": "bind", "source": resolv_conf,
+             "options": ["rbind", "nosuid", "nodev", "noexec"]}
+        )  # fmt: skip
     if user_namespace:
         del spec["linux"]["uidMappings"], spec["linux"]["gidMappings"]
     if cgroups_path:
@@ -274,6 +319,7 @@ __all__ = [
     "container_spec",
     "crun_cgroup_problem",
     "find_runtime",
+    "runsc_problem",
     "runtime_problem",
     "user_namespace_problem",
 ]

@@ -39,6 +39,28 @@ TIMEOUT_EXIT_CODE = 124
 #: Signal a backend sends the shell to abort the running command (before killing its processes).
 ABORT_SIGNAL = signal.SIGUSR1
 
+# The sandbox's clock in ticks (1/100 s, the unit of /proc/PID/stat starttime).
+UPTIME_SCRIPT = r"""read -r up _ < /proc/uptime; echo "$((10#${up/./}))" """
+#: Run inside a sandbox whose processes the host cannot see (a remote engine, gVisor): abort
+#: the shell's command (USR1), then kill every process but PID 1, the shell (pid $2) and this
+#: script that started at or after tick $1 (the timed-out command and all it spawned,
+#: reparented or not). Only builtins, so the script forks nothing that could kill itself.
+KILL_SINCE_SCRIPT = r"""
+since=$1 shell=$2
+kill -USR1 "$shell" 2>/dev/null
+for round in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do
+  n=0
+  for f in /proc/[0-9]*/stat; do
+    p=${f#/proc/}; p=${p%/stat}
+    { [ "$p" = 1 ] || [ "$p" = "$$" ] || [ "$p" = "$shell" ]; } && continue
+    read -r l < "$f" 2>/dev/null || continue
+    set -- ${l##*) }
+    [ "${20}" -ge "$since" ] 2>/dev/null && kill -9 "$p" 2>/dev/null && n=$((n + 1))
+  done
+  [ "$n" = 0 ] && break
+done
+"""
+
 # Installed before every command (user code may reset traps). The trap only returns
 # when it fires inside a function, so a late signal while the shell idles is harmless.
 _PRELUDE = (

@@ -18,9 +18,15 @@ import pytest
 
 from sandboxes.backends import create_backend
 from sandboxes.base import ImageConfig
+from sandboxes.oci import runtime_problem
 from tests.conftest import derive_base_image
 
 BACKENDS = [pytest.param("local", marks=pytest.mark.local), pytest.param("docker", marks=pytest.mark.docker)]
+#: The local backend's gVisor tier (runsc), where this host can run it.
+GVISOR = pytest.param(
+    "local-gvisor",
+    marks=[pytest.mark.local, pytest.mark.skipif(runtime_problem("gvisor") is not None, reason=str(runtime_problem("gvisor")))],
+)
 BASE_REF = "forkyard/base:test"
 BASE_CONFIG = ImageConfig(env={"FORKYARD_TEST_IMAGE": "base"}, workdir="/", user="root")
 
@@ -94,8 +100,16 @@ def backend_root() -> Path:
 @pytest.fixture(params=BACKENDS)
 async def backend(request, created, backend_root, node_name):
     """Yield a ready backend of each kind with the base image imported as ``forkyard/base:test``."""
-    kind = request.param
-    backend = create_backend(kind, node=f"{node_name}-{uuid.uuid4().hex[:6]}", root_dir=backend_root)
+    async for ready in fresh_backend(request.param, created, backend_root, node_name):
+        yield ready
+
+
+async def fresh_backend(kind: str, created: list[str], backend_root: Path, node_name: str):
+    """Yield a backend of ``kind`` (``local``, ``local-gvisor``, ``docker``); check and clean up after."""
+    kind, _, tier = kind.partition("-")
+    backend = create_backend(
+        kind, node=f"{node_name}-{uuid.uuid4().hex[:6]}", root_dir=backend_root, isolation=tier or "standard"
+    )
     real_create = backend.create
 
     async def tracking_create(spec):

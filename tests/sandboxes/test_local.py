@@ -418,5 +418,17 @@ async def test_each_oci_runtime_runs_the_same_sandbox(backend_root, base_rootfs,
 def test_runtime_outside_the_tier_is_refused(backend_root):
     with pytest.raises(BackendUnavailableError, match="not one of the 'standard' tier"):
         LocalBackend(backend_root, "n", runtime="runsc")
-    with pytest.raises(BackendUnavailableError, match="runsc"):
+
+
+def test_gvisor_without_runsc_or_with_debian_12s_is_one_sentence(backend_root, monkeypatch):
+    real = oci._installed
+    monkeypatch.setattr(oci, "_installed", lambda name: None if name == "runsc" else real(name))
+    with pytest.raises(BackendUnavailableError, match="apt-get install runsc, from Debian 13"):
         LocalBackend(backend_root, "n", isolation="gvisor")
+    monkeypatch.setattr(oci, "_installed", lambda name: "/usr/bin/runsc" if name == "runsc" else real(name))
+    monkeypatch.setattr(oci, "_version_line", lambda path: "runsc version 0.0~20221219.0")
+    with pytest.raises(BackendUnavailableError, match=r"gVisor 20221219, older than 20240101: its statx") as err:
+        LocalBackend(backend_root, "n", isolation="gvisor")
+    assert "\n" not in str(err.value)
+    monkeypatch.setattr(oci, "_version_line", lambda path: "runsc version 0.0~20240729.0")
+    assert oci.find_runtime("gvisor") == oci.Runtime(name="runsc", path="/usr/bin/runsc")

@@ -1,6 +1,6 @@
 """The escape suite, reward level: nothing the agent leaves behind can write the reward.
 
-Each attempt runs a real terminal episode on every backend: the agent prepares its
+Each attempt runs a real terminal episode on every backend and tier: the agent prepares its
 trick with ``bash``, submits, and the verifier (which fails honestly) must still score
 0. A service the agent started must still answer the verifier on localhost (Harbor's
 tests rely on that), and nothing of the verifier's fork may be left afterwards.
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.workers.test_terminal_env import harness, probe_task  # noqa: F401 - the fixture
+from tests.sandboxes.conftest import BACKENDS, GVISOR
+from tests.workers.test_terminal_env import make_harness, probe_task
 from workers.envs.terminal import REWARD_MAX_BYTES, VERIFIER_SNAPSHOT_KEY
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,20 +25,27 @@ echo "verifier done: $(cat /logs/verifier/reward.txt)"
 """
 
 
+@pytest.fixture(scope="module", params=[*BACKENDS, GVISOR])
+async def harness(request, tmp_path_factory):
+    """A terminal harness on every backend and isolation tier."""
+    async for ready in make_harness(request.param, tmp_path_factory):
+        yield ready
+
+
 async def _submit(env):
     result = await env.step("submit", {})
     assert result.terminated or result.truncated
     return result
 
 
-async def _nothing_left(harness) -> None:  # noqa: F811
+async def _nothing_left(harness) -> None:
     snapshots = [s for s in await harness.backend.list_snapshots() if VERIFIER_SNAPSHOT_KEY in s.metadata]
     assert snapshots == []
     roles = [i for i in await harness.backend.list() if i.labels.get("forkyard.role") == "verifier"]
     assert roles == []
 
 
-async def test_background_process_cannot_rewrite_the_reward(harness):  # noqa: F811
+async def test_background_process_cannot_rewrite_the_reward(harness):
     async with harness.env(probe_task(HONEST_FAILURE)) as env:
         forge = (
             "nohup bash -c 'while :; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
@@ -50,7 +58,7 @@ async def test_background_process_cannot_rewrite_the_reward(harness):  # noqa: F
     await _nothing_left(harness)
 
 
-async def test_background_process_cannot_rewrite_the_tests(harness):  # noqa: F811
+async def test_background_process_cannot_rewrite_the_tests(harness):
     async with harness.env(probe_task(HONEST_FAILURE)) as env:
         forge = (
             "nohup bash -c 'while :; do if [ -f /tests/test.sh ]; then "
@@ -63,7 +71,7 @@ async def test_background_process_cannot_rewrite_the_tests(harness):  # noqa: F8
     await _nothing_left(harness)
 
 
-async def test_verifier_still_reaches_a_service_the_agent_started(harness):  # noqa: F811
+async def test_verifier_still_reaches_a_service_the_agent_started(harness):
     check = b"""#!/bin/bash
 mkdir -p /logs/verifier
 if python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/ok.txt', timeout=5).read().decode())" | grep -q served; then
@@ -84,7 +92,7 @@ fi
     await _nothing_left(harness)
 
 
-async def test_oversized_reward_file_is_a_verifier_error(harness):  # noqa: F811
+async def test_oversized_reward_file_is_a_verifier_error(harness):
     sparse = b"""#!/bin/bash
 mkdir -p /logs/verifier
 truncate -s 256M /logs/verifier/reward.txt

@@ -185,13 +185,19 @@ class Harness:
     params=[pytest.param("local", marks=pytest.mark.local), pytest.param("docker", marks=pytest.mark.docker)],
 )
 async def harness(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Harness]:
+    async for ready in make_harness(request.param, tmp_path_factory):
+        yield ready
+
+
+async def make_harness(kind: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Harness]:
+    """Yield a harness on a fresh backend of ``kind`` (``local``, ``local-gvisor``, ``docker``)."""
     from sandboxes.backends import create_backend
     from tests.conftest import base_image
 
-    kind = request.param
     node = f"test-terminal-{kind}-{uuid.uuid4().hex[:8]}"
     root = tmp_path_factory.mktemp(f"terminal-{kind}")
-    backend = create_backend(kind, node=node, root_dir=root)
+    backend_kind, _, tier = kind.partition("-")
+    backend = create_backend(backend_kind, node=node, root_dir=root, isolation=tier or "standard")
     harness = None
     try:
         harness = Harness(backend, await base_image(backend))
