@@ -58,6 +58,8 @@ class SandboxLimitSettings(BaseModel):
     """CPUs (``FORKYARD_SANDBOX_LIMITS__MAX_CPUS``); default: this host's CPU count."""
     max_memory_mb: int = Field(default_factory=_host_memory_mb, gt=0)
     """Memory in MiB (``FORKYARD_SANDBOX_LIMITS__MAX_MEMORY_MB``); default: this host's memory."""
+    max_disk_mb: int = Field(default=100 * 1024, gt=0)
+    """Disk quota in MiB (``FORKYARD_SANDBOX_LIMITS__MAX_DISK_MB``); default 100 GiB."""
 
 
 class EgressSettings(BaseModel):

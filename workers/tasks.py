@@ -63,6 +63,7 @@ DEFAULT_VERIFIER_TIMEOUT_S = 120.0
 DEFAULT_SETUP_TIMEOUT_S = 600.0
 DEFAULT_CPUS = 1.0
 DEFAULT_MEMORY_MB = 1024
+DEFAULT_DISK_MB = 10240
 
 INSTRUCTION_FILE = "instruction.md"
 CONFIG_FILE = "task.toml"
@@ -92,6 +93,8 @@ class TerminalTask:
     verifier_timeout_s: float
     cpus: float
     memory_mb: int
+    disk_mb: int
+    """The sandbox's disk quota (``storage_mb``, or ``storage = "10G"``)."""
     docker_image: str | None
     network: bool
     setup_timeout_s: float
@@ -233,7 +236,8 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
     agent_timeout = _positive_number(agent, "agent", "timeout_sec", DEFAULT_AGENT_TIMEOUT_S)
     verifier_timeout = _positive_number(verifier, "verifier", "timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S)
     cpus = _positive_number(environment, "environment", "cpus", DEFAULT_CPUS)
-    memory_mb = _memory_mb(environment)
+    memory_mb = _size_mb(environment, "memory", DEFAULT_MEMORY_MB)
+    disk_mb = _size_mb(environment, "storage", DEFAULT_DISK_MB)
     setup_timeout = _positive_number(environment, "environment", "setup_timeout_sec", DEFAULT_SETUP_TIMEOUT_S)
     docker_image = environment.get("docker_image")
     if docker_image is not None and (not isinstance(docker_image, str) or not docker_image.strip()):
@@ -280,6 +284,7 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
         verifier_timeout_s=verifier_timeout,
         cpus=cpus,
         memory_mb=memory_mb,
+        disk_mb=disk_mb,
         docker_image=docker_image.strip() if docker_image is not None else None,
         network=network,
         setup_timeout_s=setup_timeout,
@@ -369,29 +374,29 @@ def _positive_number(table: Mapping[str, Any], section: str, key: str, default: 
     return float(value)
 
 
-def _memory_mb(environment: Mapping[str, Any]) -> int:
-    if "memory_mb" in environment:
-        value = environment["memory_mb"]
+def _size_mb(environment: Mapping[str, Any], key: str, default: int) -> int:
+    """Return ``[environment] <key>_mb`` (a whole number) or ``<key> = "2G"`` (Harbor's older form) in MiB."""
+    if f"{key}_mb" in environment:
+        value = environment[f"{key}_mb"]
         if not _is_number(value) or not math.isfinite(value) or value != int(value) or value < 1:
             raise TaskFormatError(
-                f"{CONFIG_FILE}: [environment] memory_mb must be a positive whole number, got {value!r}",
+                f"{CONFIG_FILE}: [environment] {key}_mb must be a positive whole number, got {value!r}",
                 file=CONFIG_FILE,
-                field="environment.memory_mb",
+                field=f"environment.{key}_mb",
             )
         return int(value)
-    if "memory" in environment:
-        # Older Harbor/Terminal-Bench tasks say memory = "2G".
-        value = environment["memory"]
+    if key in environment:
+        value = environment[key]
         match = _MEMORY_RE.fullmatch(value) if isinstance(value, str) else None
         megabytes = float(match.group(1)) * _MEMORY_UNIT_MB[match.group(2).upper()] if match else 0
         if megabytes < 1:
             raise TaskFormatError(
-                f"{CONFIG_FILE}: [environment] memory must be a size such as '2G' or '512M', got {value!r}",
+                f"{CONFIG_FILE}: [environment] {key} must be a size such as '2G' or '512M', got {value!r}",
                 file=CONFIG_FILE,
-                field="environment.memory",
+                field=f"environment.{key}",
             )
         return int(megabytes)
-    return DEFAULT_MEMORY_MB
+    return default
 
 
 # --------------------------------------------------------------------------- archives

@@ -105,7 +105,9 @@ async def import_tasks(
     """Import tasks; an identical task already stored is returned rather than duplicated."""
     tasks = await _parse_import(request, environment)
     limits = settings.sandbox_limits
-    service.check_task_resources(tasks, max_cpus=limits.max_cpus, max_memory_mb=limits.max_memory_mb)
+    service.check_task_resources(
+        tasks, max_cpus=limits.max_cpus, max_memory_mb=limits.max_memory_mb, max_disk_mb=limits.max_disk_mb
+    )
     rows = await service.import_tasks(db_session=db_session, tasks=tasks)
     return TaskList(items=[TaskRead.from_row(r) for r in rows])
 

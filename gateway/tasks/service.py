@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Sequence
 
 from sqlalchemy import select
@@ -32,7 +33,9 @@ async def _resolve_environment(db_session: AsyncSession, name: str) -> Environme
     return env
 
 
-def check_task_resources(tasks: Sequence[tuple[str, TerminalTask]], *, max_cpus: float, max_memory_mb: int) -> None:
+def check_task_resources(
+    tasks: Sequence[tuple[str, TerminalTask]], *, max_cpus: float, max_memory_mb: int, max_disk_mb: int | None = None
+) -> None:
     """Refuse a task whose sandbox would ask for more than one sandbox may have here.
 
     Raises:
@@ -42,6 +45,7 @@ def check_task_resources(tasks: Sequence[tuple[str, TerminalTask]], *, max_cpus:
         for field, wanted, limit, unit in (
             ("environment.cpus", task.cpus, max_cpus, " CPUs"),
             ("environment.memory_mb", task.memory_mb, max_memory_mb, " MiB"),
+            ("environment.storage_mb", task.disk_mb, max_disk_mb if max_disk_mb is not None else math.inf, " MiB"),
         ):
             if wanted > limit:
                 raise InvalidRequestError(

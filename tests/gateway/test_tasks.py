@@ -139,7 +139,11 @@ async def test_environments_default_create_conflict_list(gateway):
 
 
 async def test_task_asking_for_more_than_a_sandbox_may_have_is_refused_at_import(gateway):
-    for extra, field in (("cpus = 64", "environment.cpus"), ("memory_mb = 204800", "environment.memory_mb")):
+    for extra, field in (
+        ("cpus = 64", "environment.cpus"),
+        ("memory_mb = 204800", "environment.memory_mb"),
+        ('storage = "200T"', "environment.storage_mb"),
+    ):
         files = task_files("greedy")
         files["task.toml"] += f"\n[environment]\n{extra}\n"
         error = assert_error(await gateway.client.post("/v1/tasks", json={"tasks": [{"name": "greedy", "files": files}]}),

@@ -132,6 +132,14 @@ def test_harbor_memory_string_is_understood() -> None:
     assert task.memory_mb == 2048
 
 
+@pytest.mark.parametrize(
+    ("toml", "disk_mb"),
+    [(b'version = "1.0"\n', 10240), (b'[environment]\nstorage = "2G"\n', 2048), (b"[environment]\nstorage_mb = 512\n", 512)],
+)
+def test_storage_sets_the_sandbox_disk_quota(toml: bytes, disk_mb: int) -> None:
+    assert load_task_files("t", minimal_files(**{"task.toml": toml})).disk_mb == disk_mb
+
+
 def test_solution_is_optional() -> None:
     task = load_task_files("t", minimal_files(**{"solution/solve.sh": None}))
     assert not task.has_solution
@@ -189,6 +197,13 @@ def test_tasks_compare_and_hash_by_content() -> None:
             "environment.memory",
             "'lots'",
         ),
+        (
+            minimal_files(**{"task.toml": b'[environment]\nstorage = "a lot"\n'}),
+            "task.toml",
+            "environment.storage",
+            "'a lot'",
+        ),
+        (minimal_files(**{"task.toml": b"[environment]\nstorage_mb = 0\n"}), "task.toml", "environment.storage_mb", "whole"),
         (
             minimal_files(**{"task.toml": b'[environment]\nnetwork = "yes"\n'}),
             "task.toml",

@@ -48,10 +48,11 @@ echo "verifier ran in $(pwd) with MARK=${MARK:-unset}"
 
 
 def probe_task(
-    test_sh: bytes = PROBE_TEST, *, agent_timeout: float = 600, verifier_timeout: float = 60
+    test_sh: bytes = PROBE_TEST, *, agent_timeout: float = 600, verifier_timeout: float = 60, environment: str = ""
 ) -> TerminalTask:
-    """Return a small in-memory task on the probe image with the given verifier."""
+    """Return a small in-memory task on the probe image with the given verifier (and ``[environment]`` lines)."""
     toml = f"[agent]\ntimeout_sec = {agent_timeout}\n[verifier]\ntimeout_sec = {verifier_timeout}\n"
+    toml += f"[environment]\n{environment}\n" if environment else ""
     return load_task_files(
         "probe",
         {
@@ -212,6 +213,18 @@ async def make_harness(kind: str, tmp_path_factory: pytest.TempPathFactory) -> A
             await backend.aclose()
     if not _mounts_under(root):
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_task_storage_is_the_sandboxs_disk_quota(harness: Harness) -> None:
+    if harness.backend.name == "docker" and harness.backend._disk_quota is None:
+        pytest.skip("this Docker engine's storage cannot limit a container's disk (see test_docker_disk_quota)")
+    async with harness.env(probe_task(environment='storage = "64M"')) as env:
+        fill = "dd if=/dev/zero of=/app/fill bs=1M count=256 2>&1 | grep -io 'quota exceeded\\|no space left'; " \
+               "du -sm /app/fill | cut -f1"
+        observation = (await env.step("bash", {"command": fill})).observation
+        refusal, used = observation.splitlines()[:2]
+        assert refusal.lower() in ("quota exceeded", "no space left"), observation
+        assert int(used) <= 64, observation
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLE_TASKS))

@@ -411,7 +411,7 @@ class TerminalEnv:
     def _spec(self) -> SandboxSpec:
         return SandboxSpec(
             image=self.image,
-            resources=Resources(cpus=self.task.cpus, memory_mb=self.task.memory_mb),
+            resources=Resources(cpus=self.task.cpus, memory_mb=self.task.memory_mb, disk_mb=self.task.disk_mb),
             network=self.task.network,
             labels=self.labels,
         )
