@@ -81,6 +81,27 @@ def find_leftovers(backend, root_dir: Path, ids: list[str]) -> list[str]:
     return docker_leftovers(ids)
 
 
+async def local_backend(backend_root: Path, base_rootfs: Path, node_name: str, **options):
+    """Yield a LocalBackend (``options``: isolation, runtime, ...) with the base image as ``BASE_REF``.
+
+    Afterwards its sandboxes and snapshots are destroyed and nothing of them may be left (checked by id).
+    """
+    from sandboxes.local import LocalBackend
+
+    backend = LocalBackend(backend_root, f"{node_name}-{uuid.uuid4().hex[:6]}", **options)
+    await backend.import_rootfs(str(base_rootfs), BASE_REF, BASE_CONFIG)
+    try:
+        yield backend
+    finally:
+        ids = [i.id for i in await backend.list()]
+        for sid in ids:
+            await backend.destroy(sid)
+        for snap in await backend.list_snapshots():
+            await backend.delete_snapshot(snap.id)
+        await backend.aclose()
+        assert local_leftovers(backend_root, ids) == []
+
+
 @pytest.fixture
 def created() -> list[str]:
     """Ids of every sandbox the current test created through the ``backend`` fixture."""

@@ -9,14 +9,15 @@ and the network rules of the standard tier must hold.
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import pytest
 
 from sandboxes import oci
 from sandboxes.base import Resources, SandboxSpec
-from sandboxes.local import LocalBackend
-from tests.sandboxes.conftest import BASE_CONFIG, BASE_REF, local_leftovers
+from tests.sandboxes.conftest import (
+    BASE_REF,
+    local_backend,
+)
 
 pytestmark = [
     pytest.mark.local,
@@ -29,19 +30,8 @@ SPEC = SandboxSpec(image=BASE_REF)
 @pytest.fixture
 async def gv(backend_root, base_rootfs, node_name):
     """A gVisor-tier LocalBackend with the base image; checks that nothing is left."""
-    backend = LocalBackend(backend_root, f"{node_name}-{uuid.uuid4().hex[:6]}", isolation="gvisor")
-    await backend.import_rootfs(str(base_rootfs), BASE_REF, BASE_CONFIG)
-    try:
+    async for backend in local_backend(backend_root, base_rootfs, node_name, isolation="gvisor"):
         yield backend
-    finally:
-        ids = [i.id for i in await backend.list()]
-        for sid in ids:
-            await backend.destroy(sid)
-        for snap in await backend.list_snapshots():
-            await backend.delete_snapshot(snap.id)
-        left = local_leftovers(backend_root, ids)
-        await backend.aclose()
-        assert left == []
 
 
 async def test_runs_in_gvisors_kernel_as_the_unprivileged_host_range(gv):

@@ -20,7 +20,12 @@ from sandboxes.cgroups import SandboxCgroup, cgroup_version
 from sandboxes.errors import BackendUnavailableError, SandboxCrashedError, SandboxError
 from sandboxes.local import LocalBackend
 from sandboxes.network import EgressPolicy, list_ruleset
-from tests.sandboxes.conftest import BASE_CONFIG, BASE_REF, local_leftovers
+from tests.sandboxes.conftest import (
+    BASE_CONFIG,
+    BASE_REF,
+    local_backend,
+    local_leftovers,
+)
 
 pytestmark = pytest.mark.local
 
@@ -30,16 +35,8 @@ SPEC = SandboxSpec(image=BASE_REF)
 @pytest.fixture
 async def lb(backend_root, base_rootfs, node_name):
     """A LocalBackend with the base image; destroys its sandboxes and checks nothing is left."""
-    backend = LocalBackend(backend_root, f"{node_name}-{uuid.uuid4().hex[:6]}")
-    await backend.import_rootfs(str(base_rootfs), BASE_REF, BASE_CONFIG)
-    try:
+    async for backend in local_backend(backend_root, base_rootfs, node_name):
         yield backend
-    finally:
-        ids = [i.id for i in await backend.list()]
-        for sid in ids:
-            await backend.destroy(sid)
-        await backend.aclose()
-        assert local_leftovers(backend_root, ids) == []
 
 
 # ----------------------------------------------------------------- host checks

@@ -19,7 +19,10 @@ from sandboxes.cgroups import SandboxCgroup
 from sandboxes.errors import SandboxError
 from sandboxes.local import LocalBackend
 from sandboxes.snapshots import SHELL_OWNED_VARS
-from tests.sandboxes.conftest import BASE_CONFIG, BASE_REF, local_leftovers
+from tests.sandboxes.conftest import (
+    BASE_REF,
+    local_backend,
+)
 
 pytestmark = pytest.mark.local
 
@@ -27,18 +30,8 @@ pytestmark = pytest.mark.local
 @pytest.fixture
 async def lb(backend_root, base_rootfs, node_name):
     """A LocalBackend with the base image; afterwards its sandboxes and snapshots are gone, checked by id."""
-    backend = LocalBackend(backend_root, f"{node_name}-{uuid.uuid4().hex[:6]}")
-    await backend.import_rootfs(str(base_rootfs), BASE_REF, BASE_CONFIG)
-    try:
+    async for backend in local_backend(backend_root, base_rootfs, node_name):
         yield backend
-    finally:
-        ids = [i.id for i in await backend.list()]
-        for sid in ids:
-            await backend.destroy(sid)
-        for snap in await backend.list_snapshots():
-            await backend.delete_snapshot(snap.id)
-        await backend.aclose()
-        assert local_leftovers(backend_root, ids) == []
 
 
 async def _exports(backend: LocalBackend, sandbox_id: str) -> set[str]:
