@@ -219,7 +219,7 @@ async def create_cancel_safe(
     except asyncio.CancelledError:
         try:
             info = await task
-        except BaseException:  # it failed on its own and cleaned up after itself
+        except BaseException:  # noqa: BLE001 - it failed on its own and cleaned up after itself
             raise asyncio.CancelledError from None
         await asyncio.shield(destroy(info.id))
         raise

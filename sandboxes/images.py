@@ -221,7 +221,7 @@ def _build_lock(path: Path, ref: str, progress: Progress | None) -> Iterator[Non
 
 def _run_debootstrap(debootstrap: str, target: Path, mirror: str, progress: Progress | None) -> str:
     """Run debootstrap into ``target``; return its version string."""
-    version = subprocess.run([debootstrap, "--version"], capture_output=True, text=True).stdout.strip()
+    version = subprocess.run([debootstrap, "--version"], check=False, capture_output=True, text=True).stdout.strip()
     argv = [
         debootstrap,
         f"--variant={BASE_VARIANT}",

@@ -266,21 +266,6 @@ def _gvisor_sandbox_pid(pid: int) -> int | None:
     return None
 
 
-def _keep_tmp_on_disk(spec: dict, rootfs: Path) -> None:
-    """Bind the rootfs's own ``/tmp`` over itself: gVisor would otherwise put an empty /tmp in memory.
-
-    Files there would then escape snapshots, forks and the disk quota. Only a real
-    directory is bound (the host resolves the source: never follow a sandbox's symlink).
-    """
-    tmp = rootfs / "tmp"
-    try:
-        if not stat.S_ISDIR(os.lstat(tmp).st_mode):
-            return
-    except OSError:
-        return
-    spec["mounts"].append({"destination": "/tmp", "type": "bind", "source": str(tmp), "options": ["rbind"]})
-
-
 def _loopback_up(pid: int) -> None:
     """Bring up the loopback of process ``pid``'s network namespace (blocking)."""
     proc = subprocess.run(
@@ -1217,12 +1202,7 @@ class LocalBackend:
             resolv_conf=str(resolv_conf) if resolv_conf else None,
         )  # fmt: skip
         spec["root"]["path"] = str(sb.merged)
-        if self.runtime.name == "runsc":
-            _keep_tmp_on_disk(spec, sb.merged)
-            # gVisor answers EPERM for every errno rule of a spec's filter, and glibc falls back
-            # from clone3 to clone only on ENOSYS; gVisor's own clone3 is ENOSYS already.
-            rules = spec["linux"]["seccomp"]["syscalls"]
-            rules[:] = [r for r in rules if r.get("errnoRet") != errno.ENOSYS]
+        self.runtime.adapt_spec(spec, pids=sb.spec.resources.pids)
         _write_json(sb.dir / "config.json", spec)
         return self.runtime.run_argv(str(sb.dir), f"shell-{sb.starts}", str(sb.dir / "run"))
 
@@ -1253,6 +1233,8 @@ class LocalBackend:
         # Joining a cgroup waits for an RCU grace period (milliseconds) unless a process joined
         # one just before, so the cgroup is made and the runtime joins it from a thread while the
         # shell starts.
+        if limits is not None:
+            limits = dataclasses.replace(limits, pids=self.runtime.host_pids(limits.pids))
         joining = _in_fresh_thread(functools.partial(_enter_cgroup, sb.cgroup, shell.pid, limits))
         finishing: asyncio.Future | None = None
         try:

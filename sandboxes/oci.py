@@ -25,11 +25,13 @@ told to leave them alone.
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
 import resource
 import shutil
+import stat
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -97,12 +99,60 @@ class Runtime:
     #: verifier fork joining that namespace reaches services the agent started.
     GVISOR_FLAGS = ("--ignore-cgroups", "--overlay2=none", "--file-access=shared", "--network=host", "--oci-seccomp")
 
+    #: Host tasks a gVisor sandbox holds per process inside it (its systrap stub process and
+    #: threads, ~2.1 measured), and its sentry's own (~25 idle; Go threads grow with load).
+    GVISOR_TASKS_PER_PROCESS = 3
+    GVISOR_SENTRY_TASKS = 64
+
+    def host_pids(self, pids: int) -> int:
+        """Return the host cgroup's ``pids.max`` for a sandbox allowed ``pids`` processes.
+
+        crun and runc: ``pids`` itself. gVisor: the limit is ``RLIMIT_NPROC`` inside (see
+        :meth:`adapt_spec`: a fork past it gets EAGAIN, as under a pids cgroup), and the
+        host's is a backstop sized for the sentry, which dies when it cannot make a thread:
+        with ``pids`` on the host a sandbox of 40 processes (of 64) crashed.
+        """
+        if self.name != "runsc":
+            return pids
+        return pids * self.GVISOR_TASKS_PER_PROCESS + self.GVISOR_SENTRY_TASKS
+
+    def adapt_spec(self, spec: dict, *, pids: int) -> None:
+        """Adjust a sandbox's ``config.json`` (its ``root.path`` set) to what this runtime needs.
+
+        Only gVisor needs anything: its processes limit as ``RLIMIT_NPROC`` (a sandbox's root
+        has no ``CAP_SYS_RESOURCE`` to raise it), the rootfs's /tmp kept on disk, and the
+        seccomp rules it cannot answer dropped.
+        """
+        if self.name != "runsc":
+            return
+        spec["process"]["rlimits"].append({"type": "RLIMIT_NPROC", "hard": pids, "soft": pids})
+        _keep_tmp_on_disk(spec, Path(spec["root"]["path"]))
+        # gVisor answers EPERM for every errno rule of a spec's filter, and glibc falls back
+        # from clone3 to clone only on ENOSYS; gVisor's own clone3 is ENOSYS already.
+        rules = spec["linux"]["seccomp"]["syscalls"]
+        rules[:] = [r for r in rules if r.get("errnoRet") != errno.ENOSYS]
+
     def exec_argv(self, state_dir: str, container_id: str, argv: Sequence[str]) -> list[str]:
         """Return the command that runs ``argv`` as root (with CAP_KILL) in a running container."""
         if self.name != "runsc":
             raise NotImplementedError(f"{self.name}: the local backend reaches its sandboxes from the host")
         return [self.path, f"--root={state_dir}", *self.GVISOR_FLAGS, "exec", "--user=0:0", "--cap=CAP_KILL",
                 container_id, *argv]  # fmt: skip
+
+
+def _keep_tmp_on_disk(spec: dict, rootfs: Path) -> None:
+    """Bind the rootfs's own ``/tmp`` over itself: gVisor would otherwise put an empty /tmp in memory.
+
+    Files there would then escape snapshots, forks and the disk quota. Only a real
+    directory is bound (the host resolves the source: never follow a sandbox's symlink).
+    """
+    tmp = rootfs / "tmp"
+    try:
+        if not stat.S_ISDIR(os.lstat(tmp).st_mode):
+            return
+    except OSError:
+        return
+    spec["mounts"].append({"destination": "/tmp", "type": "bind", "source": str(tmp), "options": ["rbind"]})
 
 
 @functools.lru_cache(maxsize=8)

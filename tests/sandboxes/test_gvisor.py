@@ -9,6 +9,7 @@ and the network rules of the standard tier must hold.
 from __future__ import annotations
 
 import asyncio
+import shlex
 
 import pytest
 
@@ -107,4 +108,29 @@ async def test_memory_limit_holds_for_gvisors_kernel(gv):
     hog = "python3 -c 'b = bytearray(1 << 30); b[::4096] = b\"x\" * (1 << 18); print(\"filled\")'"
     r = await gv.exec(info.id, hog, timeout_s=60)
     assert r.exit_code != 0 and "filled" not in r.stdout, r
+    assert (await gv.exec(info.id, "echo after")).stdout == "after\n"
+
+
+async def test_pids_limit_counts_the_sandboxs_processes_not_gvisors_threads(gv):
+    """The host sees gVisor's kernel threads and stub processes (~2 per process inside), not the processes.
+
+    With the limit on the host alone, 40 sleeps of a 64-process sandbox killed gVisor's
+    kernel. Inside, the limit is RLIMIT_NPROC: 48 processes run, the next forks get EAGAIN
+    (as under a pids cgroup) and the sandbox keeps serving.
+    """
+    info = await gv.create(SandboxSpec(image=BASE_REF, resources=Resources(pids=64)))
+    many = "for i in $(seq 48); do sleep 30 & done; sleep 1; pgrep -c sleep"
+    r = await gv.exec(info.id, many, timeout_s=30)
+    assert r.stdout.strip() == "48", r
+    fork_on = (
+        "import os, time\n"
+        "for n in range(100):\n"
+        "    try:\n"
+        "        if os.fork() == 0: time.sleep(30); os._exit(0)\n"
+        "    except BlockingIOError: print('EAGAIN after', n); break"
+    )
+    r = await gv.exec(info.id, f"python3 -c {shlex.quote(fork_on)}", timeout_s=60)
+    assert r.stdout.startswith("EAGAIN after") and int(r.stdout.split()[-1]) < 64 - 48, r
+    r = await gv.exec(info.id, "pkill sleep; ulimit -Hu unlimited || echo refused", timeout_s=30)
+    assert "refused" in r.stdout + r.stderr, r  # root inside has no CAP_SYS_RESOURCE to lift it
     assert (await gv.exec(info.id, "echo after")).stdout == "after\n"
