@@ -117,6 +117,9 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     # WAL lets readers run beside the one writer; foreign keys are off by default in SQLite.
     cursor.execute("PRAGMA journal_mode=WAL")
+    # WAL with synchronous=NORMAL never corrupts the database; a power loss (not a crash of
+    # the process) may lose the last commits. FULL cost a step ~0.3 ms per commit here.
+    cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()

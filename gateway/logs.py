@@ -15,9 +15,30 @@ from gateway.settings import API_KEY_PREFIX
 _KEY_RE = re.compile(re.escape(API_KEY_PREFIX) + r"[A-Za-z0-9_\-]{6,}")
 
 
+#: Other secrets this process holds (inference servers' API keys), newest last; redacted like keys.
+_SECRETS: dict[str, None] = {}
+_MAX_SECRETS = 4096
+#: Shorter values are not secrets worth hiding (and would redact common words).
+_MIN_SECRET_LEN = 8
+
+
+def register_secret(value: str | None) -> None:
+    """Have every later log line show ``value`` as ``***`` (a policy's API key, when it is loaded)."""
+    if not value or len(value) < _MIN_SECRET_LEN:
+        return
+    _SECRETS.pop(value, None)
+    _SECRETS[value] = None
+    while len(_SECRETS) > _MAX_SECRETS:
+        del _SECRETS[next(iter(_SECRETS))]
+
+
 def redact_api_keys(text: str) -> str:
-    """Return ``text`` with every API key replaced by ``fy_***``."""
-    return _KEY_RE.sub(API_KEY_PREFIX + "***", text)
+    """Return ``text`` with every API key replaced by ``fy_***`` and every registered secret by ``***``."""
+    text = _KEY_RE.sub(API_KEY_PREFIX + "***", text)
+    for secret in list(_SECRETS):
+        if secret in text:
+            text = text.replace(secret, "***")
+    return text
 
 
 class RedactingFormatter(logging.Formatter):

@@ -12,11 +12,12 @@ from gateway.rollouts.models import (
     Rollout,
 )
 from gateway.sandboxes.models import Sandbox
-from gateway.sessions.models import EnvSession, SessionState
+from gateway.sessions.models import EnvSession, SessionState, SessionStep
 from gateway.snapshots.models import SnapshotRecord
 from gateway.tasks.models import Task
 
 __all__ = [
     "ApiKey", "Base", "DeliveryConsumer", "DeliveryLease", "EnvSession", "Environment", "EnvironmentFamily", "Episode",
-    "EpisodeGroup", "EpisodeStep", "Policy", "Rollout", "Sandbox", "SessionState", "SnapshotRecord", "Task",
+    "EpisodeGroup", "EpisodeStep", "Policy", "Rollout", "Sandbox", "SessionState", "SessionStep",
+    "SnapshotRecord", "Task",
 ]

@@ -208,6 +208,10 @@ class WorkerRuntime:
         logger.info("session %s opened on sandbox %s (task %s)", session_id, env.sandbox.id, task.name)
         return SessionOpened(session_id, env.sandbox, observation, list(TOOLS))
 
+    def has_session(self, session_id: str) -> bool:
+        """Tell whether the session is open here (between its open and its close)."""
+        return session_id in self._envs
+
     def _env(self, session_id: str) -> TerminalEnv:
         try:
             return self._envs[session_id]

@@ -8,7 +8,6 @@ from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from gateway.auth import service
-from gateway.auth.models import ApiKey
 from gateway.dependencies import DbSession
 from gateway.errors import UnauthorizedError
 
@@ -17,11 +16,11 @@ _bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: 
 
 async def require_api_key(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)], db_session: DbSession
-) -> ApiKey:
-    """Return the caller's API key or answer 401."""
+) -> str:
+    """Return the id of the caller's API key or answer 401."""
     if credentials is None:
         raise UnauthorizedError("Missing API key: send the header `Authorization: Bearer <key>`.")
-    row = await service.authenticate(db_session=db_session, key=credentials.credentials)
-    if row is None:
+    key_id = await service.authenticated_key_id(db_session=db_session, key=credentials.credentials)
+    if key_id is None:
         raise UnauthorizedError("The API key is not valid (unknown or revoked).")
-    return row
+    return key_id

@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.environments.models import Environment
 from gateway.episodes import service as episodes_service
+from gateway.logs import register_secret
 from gateway.policies import service as policies_service
 from gateway.rollouts import service as rollouts_service
 from gateway.rollouts.models import EpisodeStatus
@@ -359,6 +360,9 @@ class _Plan:
     async def load(cls, rollout: Rollout) -> _Plan:
         """Build the plan, loading the tokenizer off the event loop; raise WorkerError if it cannot run."""
         spec = dict(rollout.policy)
+        if rollout.policy_api_key:
+            register_secret(rollout.policy_api_key)
+            spec["api_key"] = rollout.policy_api_key
         settings = AgentSettings.from_spec(rollout.agent, rollout.limits)
         sampling = Sampling.from_dict(spec.get("sampling") or {})
         tokenizer = None

@@ -113,6 +113,9 @@ class Rollout(Base):
     task_ids: Mapped[list[Any]] = mapped_column(JSON, default=list)
     """Task ids in request order; one group per task."""
     policy: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    """The policy spec less its API key (what GET returns)."""
+    policy_api_key: Mapped[str | None] = mapped_column(Text, default=None)
+    """The inference servers' bearer token: a secret, read only to call them; no response carries it."""
     agent: Mapped[dict[str, Any]] = mapped_column(default=dict)
     limits: Mapped[dict[str, Any]] = mapped_column(default=dict)
     max_staleness: Mapped[int | None] = mapped_column(default=None)

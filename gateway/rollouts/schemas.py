@@ -10,6 +10,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     field_validator,
     model_validator,
 )
@@ -70,6 +71,16 @@ class PolicySpec(BaseModel):
     actions: list[dict[str, Any]] | None = Field(default=None, max_length=10_000,
                                                  description="Scripted actions; default: the task's oracle.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    api_key: SecretStr | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="Bearer token the inference servers require (vLLM --api-key). Kept as a secret: "
+                    "never returned by any GET, redacted in logs.",
+    )  # fmt: skip
+    tool_choice: Literal["auto", "none", "required"] | None = Field(
+        default=None,
+        description="chat api: the tool_choice of every request; default auto (none, from then on, "
+                    "when a server has no tool parser).",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _servers(self) -> PolicySpec:
@@ -78,11 +89,21 @@ class PolicySpec(BaseModel):
                 raise ValueError(f"base_urls must list at least one inference server for the {self.api} api")
             if not self.model:
                 raise ValueError(f"model is required for the {self.api} api")
+        if self.tool_choice is not None and self.api != "chat":
+            raise ValueError(f"tool_choice applies to the chat api only, not {self.api}")
         return self
 
+    def secret_api_key(self) -> str | None:
+        """Return the API key in clear (for the rollout's secret column), or None."""
+        return self.api_key.get_secret_value() if self.api_key is not None else None
+
     def to_dict(self) -> dict[str, Any]:
-        """Return the spec as the plain dict stored on the rollout (URLs as strings without a trailing slash)."""
-        data = self.model_dump(mode="json")
+        """Return the spec as the plain dict stored on the rollout, without its API key.
+
+        URLs are strings without a trailing slash; the key is stored apart
+        (:attr:`Rollout.policy_api_key`) so that nothing returning the policy can show it.
+        """
+        data = self.model_dump(mode="json", exclude={"api_key"})
         data["base_urls"] = [str(u).rstrip("/") for u in self.base_urls]
         return data
 

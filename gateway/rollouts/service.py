@@ -14,6 +14,7 @@ from gateway.environments.service import get_environment_by_name
 from gateway.episodes.models import Episode, EpisodeStep
 from gateway.episodes.service import lock_rollout, settle_cancelled
 from gateway.errors import ConflictError, InvalidRequestError, NotFoundError
+from gateway.logs import register_secret
 from gateway.pagination import page_of, paginate
 from gateway.policies.service import ensure_policy
 from gateway.rollouts.events import rollout_events
@@ -115,10 +116,12 @@ async def create_rollout(*, db_session: AsyncSession, spec: RolloutCreate) -> Ro
         raise InvalidRequestError(f"The rollout asks for {total * per_tree} episodes ({len(tasks)} tasks x "
                                   f"group_size {spec.group_size}{trees}); the limit is {MAX_EPISODES_PER_ROLLOUT}.")
     await ensure_policy(db_session=db_session, name=spec.policy.name)
+    register_secret(spec.policy.secret_api_key())
     now = utcnow()
     rollout = Rollout(
         id=new_id("ro"), status=RolloutStatus.QUEUED, policy_name=spec.policy.name, group_size=spec.group_size,
         task_ids=[task_id for task_id, _ in tasks], policy=spec.policy.to_dict(),
+        policy_api_key=spec.policy.secret_api_key(),
         agent=spec.agent.model_dump(mode="json"), limits=spec.limits.model_dump(mode="json"),
         max_staleness=spec.max_staleness, staleness_action=spec.staleness_action, max_attempts=spec.max_attempts,
         group_mode=spec.group_mode.mode, min_group_size=spec.group_mode.min_group_size, priority=spec.priority,

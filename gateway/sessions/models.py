@@ -40,7 +40,28 @@ class EnvSession(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
     closed_at: Mapped[datetime | None] = mapped_column(default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
-    history: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON, default=None)
-    """Each step's action and outcome, oldest first (a fork starts with its snapshot's)."""
     snapshot_id: Mapped[str | None] = mapped_column(String(40), default=None, index=True)
     """The snapshot this session was forked from; an open fork holds it."""
+    parent_session_id: Mapped[str | None] = mapped_column(String(40), default=None)
+    """A fork's source session: its first ``parent_steps`` steps are that session's (and so on up)."""
+    parent_steps: Mapped[int] = mapped_column(default=0, server_default="0")
+
+
+class SessionStep(Base):
+    """One step of a session: the action and what it answered, a row each (a step is one insert).
+
+    ``seq`` counts from the start of the whole history: a fork's own first step is
+    ``seq == parent_steps``; the ones before it are read from its parent session.
+    """
+
+    __tablename__ = "session_step"
+
+    session_id: Mapped[str] = mapped_column(ForeignKey("session.id"), primary_key=True)
+    seq: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    tool: Mapped[str] = mapped_column(String(200))
+    arguments: Mapped[dict[str, Any]] = mapped_column(JSON)
+    observation: Mapped[str] = mapped_column(Text)
+    reward: Mapped[float | None] = mapped_column(default=None)
+    terminated: Mapped[bool] = mapped_column(default=False)
+    truncated: Mapped[bool] = mapped_column(default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -9,12 +9,15 @@ from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.sessions import service
 from gateway.sessions.models import SessionState
 from gateway.sessions.schemas import (
+    Action,
     SessionCreate,
     SessionCreated,
     SessionPage,
     SessionRead,
     SessionStep,
+    StepPage,
     StepRead,
+    StepRecord,
 )
 
 router = APIRouter(prefix="/sessions", tags=["sessions"])
@@ -68,8 +71,28 @@ async def list_sessions(
 
 @router.get("/{session_id}", response_model=SessionRead)
 async def get_session(session_id: str, db_session: DbSession):
-    """Return the gateway's record of one session."""
+    """Return the gateway's record of one session (its steps: ``GET /v1/sessions/{id}/steps``)."""
     return await service.get_session(db_session=db_session, session_id=session_id)
+
+
+@router.get("/{session_id}/steps", response_model=StepPage)
+async def list_steps(
+    session_id: str,
+    db_session: DbSession,
+    limit: int = Query(DEFAULT_LIMIT, ge=1, le=MAX_LIMIT),
+    cursor: str | None = Query(None, pattern=r"^[0-9]{1,18}$", description="A page's ``next``: the seq to start at."),
+):
+    """Page a session's steps, oldest first: a fork's inherited steps, then its own."""
+    rows, total, following = await service.list_steps(
+        db_session=db_session, session_id=session_id, start=int(cursor or 0), limit=limit
+    )
+    items = [
+        StepRecord(seq=r.seq, session_id=r.session_id, action=Action(tool=r.tool, arguments=r.arguments),
+                   observation=r.observation, reward=r.reward, terminated=r.terminated, truncated=r.truncated,
+                   created_at=r.created_at)
+        for r in rows
+    ]  # fmt: skip
+    return StepPage(items=items, steps=total, next=None if following is None else str(following))
 
 
 @router.delete("/{session_id}", status_code=204, response_class=Response)

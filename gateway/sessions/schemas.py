@@ -81,3 +81,29 @@ class SessionPage(BaseModel):
 
     items: list[SessionRead]
     next: str | None = None
+
+
+class StepRecord(BaseModel):
+    """One step of a session's history: the action and what it answered."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    seq: int
+    """Position in the whole history (a fork's inherited steps come first)."""
+    session_id: str
+    """The session that ran it (a fork's parent, for inherited steps)."""
+    action: Action
+    observation: str
+    reward: float | None
+    terminated: bool
+    truncated: bool
+    created_at: datetime
+
+
+class StepPage(BaseModel):
+    """One page of a session's steps, oldest first."""
+
+    items: list[StepRecord]
+    steps: int
+    """The session's step count (inherited steps included)."""
+    next: str | None = None

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.db import new_id, utcnow
@@ -20,7 +20,7 @@ from gateway.errors import ConflictError, NotFoundError, RateLimitedError
 from gateway.pagination import page_of, paginate
 from gateway.sandboxes.models import Sandbox
 from gateway.sessions.gate import StepGate
-from gateway.sessions.models import EnvSession, SessionState
+from gateway.sessions.models import EnvSession, SessionState, SessionStep
 from gateway.tasks.models import Task
 from gateway.tasks.service import get_task, load_terminal_task
 from sandboxes.base import SandboxState
@@ -70,6 +70,63 @@ async def list_sessions(
     stmt = paginate(stmt, created_at=EnvSession.created_at, id_=EnvSession.id, cursor=cursor, limit=limit)
     rows = list((await db_session.scalars(stmt)).all())
     return page_of(rows, limit=limit)
+
+
+#: Most sessions a history is followed through (forks of forks); a bound on the walk.
+MAX_FORK_DEPTH = 100_000
+
+
+async def history_segments(db_session: AsyncSession, session_id: str) -> tuple[int, list[tuple[str, int, int]]]:
+    """Return a session's step count and where its steps are: ``(session, first seq, end seq)``, oldest first.
+
+    A fork's first ``parent_steps`` steps are its parent's (up to that point), and so on up.
+
+    Raises:
+        NotFoundError: no such session.
+    """
+    columns = (EnvSession.steps, EnvSession.parent_session_id, EnvSession.parent_steps)
+    found = (await db_session.execute(select(*columns).where(EnvSession.id == session_id))).first()
+    if found is None:
+        raise NotFoundError(f"Session {session_id!r} does not exist.")
+    total, parent, start = found
+    segments = [(session_id, start if parent else 0, total)]
+    for _ in range(MAX_FORK_DEPTH):
+        if parent is None or start <= 0:
+            break
+        end = start
+        up = (await db_session.execute(select(*columns).where(EnvSession.id == parent))).first()
+        if up is None:  # cannot happen (rows are never deleted); the history starts here
+            break
+        _, grand, start = up
+        segments.append((parent, start if grand else 0, end))
+        parent = grand
+    return total, segments[::-1]
+
+
+async def list_steps(
+    *, db_session: AsyncSession, session_id: str, start: int = 0, limit: int
+) -> tuple[list[SessionStep], int, int | None]:
+    """Return one page of a session's steps from ``seq`` ``start``, its step count, and the next start (or None)."""
+    total, segments = await history_segments(db_session, session_id)
+    end = min(total, start + limit)
+    rows: list[SessionStep] = []
+    for owner, lo, hi in segments:
+        lo, hi = max(lo, start), min(hi, end)
+        if lo >= hi:
+            continue
+        stmt = (select(SessionStep).where(SessionStep.session_id == owner, SessionStep.seq >= lo, SessionStep.seq < hi)
+                .order_by(SessionStep.seq))
+        rows.extend((await db_session.scalars(stmt)).all())
+    return rows, total, end if end < total else None
+
+
+async def last_observation(db_session: AsyncSession, session_id: str) -> str | None:
+    """Return the observation of the session's latest step (its own or inherited), or None before any."""
+    total, _ = await history_segments(db_session, session_id)
+    if total == 0:
+        return None
+    rows, _, _ = await list_steps(db_session=db_session, session_id=session_id, start=total - 1, limit=1)
+    return rows[0].observation if rows else None
 
 
 async def count_open_sessions(*, db_session: AsyncSession, node: str) -> int:
@@ -149,14 +206,29 @@ async def step_session(
                                 code="session_closed") from exc
 
 
+# A step's statements, built once (Core, not ORM: the ORM's per-statement work was most of a step's cost).
+_SESSION = EnvSession.__table__
+_STEP_READ = select(_SESSION.c.state).where(_SESSION.c.id == bindparam("id"))
+_STEP_INSERT = insert(SessionStep.__table__)
+_STEP_COUNT = (
+    update(_SESSION).where(_SESSION.c.id == bindparam("sid"), _SESSION.c.state == SessionState.OPEN)
+    .values(steps=_SESSION.c.steps + 1).returning(_SESSION.c.steps, _SESSION.c.node)
+)
+
+
 async def _step_once(
     db_session: AsyncSession, runtime: WorkerRuntime, session_id: str, tool: str, arguments: dict, gate: StepGate
 ) -> StepResult:
-    row = await get_session(db_session=db_session, session_id=session_id)
-    if row.state != SessionState.OPEN:
-        raise ConflictError(f"Session {session_id!r} is {row.state.value} and takes no more steps.",
-                            code="session_closed")
-    await db_session.commit()  # end the read transaction before a step that may take minutes
+    # A session the runtime holds is open (it is released only after its row left ``open``,
+    # and ends only inside a step, which the gate serializes): no read before the step.
+    if not runtime.has_session(session_id):
+        found = (await db_session.execute(_STEP_READ, {"id": session_id})).first()
+        await db_session.commit()  # end the read transaction before a step that may take minutes
+        if found is None:
+            raise NotFoundError(f"Session {session_id!r} does not exist.")
+        if found.state != SessionState.OPEN:
+            raise ConflictError(f"Session {session_id!r} is {found.state.value} and takes no more steps.",
+                                code="session_closed")
     try:
         result = await runtime.step(session_id, tool, arguments)
     except SessionClosedError:
@@ -184,18 +256,22 @@ async def _step_once(
     if result.reward is not None and not math.isfinite(result.reward):
         logger.warning("session %s: non-finite reward %r reported; answering null", session_id, result.reward)
         result = dataclasses.replace(result, reward=None)
-    history = await db_session.scalar(select(EnvSession.history).where(EnvSession.id == session_id))
-    entry = {"action": {"tool": tool, "arguments": arguments}, "observation": result.observation,
-             "reward": result.reward, "terminated": result.terminated, "truncated": result.truncated}
-    await db_session.execute(
-        update(EnvSession).where(EnvSession.id == session_id)
-        .values(steps=EnvSession.steps + 1, history=[*(history or []), entry])
-    )
+    # One short transaction whatever the history's length: the count, then the step's row.
+    counted = (await db_session.execute(_STEP_COUNT, {"sid": session_id})).first()
+    if counted is None:  # no longer open: a close won the race (the gate answers session_closed)
+        await db_session.rollback()
+        raise ConflictError(f"Session {session_id!r} was closed while this step ran.", code="session_closed")
+    count, node = counted
+    await db_session.execute(_STEP_INSERT, {
+        "session_id": session_id, "seq": count - 1, "tool": tool, "arguments": arguments,
+        "observation": result.observation, "reward": result.reward, "terminated": result.terminated,
+        "truncated": result.truncated, "created_at": utcnow(),
+    })
     await db_session.commit()
     if result.terminated or result.truncated:
         await _finish(db_session, session_id, SessionState.TERMINATED, reward=result.reward)
         await _release(runtime, session_id)
-        await _collect_snapshots(db_session, runtime, row.node)
+        await _collect_snapshots(db_session, runtime, node)
         logger.info("session %s ended with reward %s (truncated=%s)", session_id, result.reward, result.truncated)
     return result
 

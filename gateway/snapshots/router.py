@@ -23,7 +23,7 @@ def _read(record: SnapshotRecord) -> SnapshotRead:
     return SnapshotRead(
         id=record.id, session_id=record.session_id, task_id=record.task_id, node=record.node,
         backend=record.backend, kind=record.kind, pinned=record.pinned,
-        steps=len(service.snapshot_history(record)), created_at=record.created_at,
+        steps=service.snapshot_steps(record), created_at=record.created_at,
         metadata=service.snapshot_metadata(record),
     )
 
@@ -38,16 +38,15 @@ async def snapshot_session(session_id: str, db_session: DbSession, runtime: Runt
 async def fork_snapshot(
     snapshot_id: str, body: SnapshotFork, db_session: DbSession, runtime: Runtime, settings: CurrentSettings
 ):
-    """Start ``n`` sessions continuing from the snapshot, each with the history up to it."""
+    """Start ``n`` sessions continuing from the snapshot; each inherits the steps up to it (``GET .../steps``)."""
     record, forks = await service.fork_snapshot(
         db_session=db_session, runtime=runtime, snapshot_id=snapshot_id, n=body.n, node=settings.node,
         max_open=settings.sessions.max_open,
     )
-    history = service.snapshot_history(record)
     return ForkedSessions(items=[
         ForkedSession(
             id=row.id, task_id=row.task_id, state=row.state, observation=opened.observation, tools=opened.tools,
-            sandbox_id=row.sandbox_id, created_at=row.created_at, snapshot_id=record.id, history=history,
+            sandbox_id=row.sandbox_id, created_at=row.created_at, snapshot_id=record.id, steps=row.steps,
         )
         for row, opened in forks
     ])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -47,7 +46,8 @@ class ForkedSession(SessionCreated):
     """A session continuing from a snapshot, with the steps taken up to the fork point."""
 
     snapshot_id: str
-    history: list[dict[str, Any]]
+    steps: int
+    """Steps inherited from the snapshot's session; ``GET /v1/sessions/{id}/steps`` pages them."""
 
 
 class ForkedSessions(BaseModel):

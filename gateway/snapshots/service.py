@@ -47,9 +47,9 @@ def snapshot_metadata(record: SnapshotRecord) -> dict[str, str]:
     return dict(record.state["session"]["sandbox"].get("metadata") or {})
 
 
-def snapshot_history(record: SnapshotRecord) -> list[dict[str, Any]]:
-    """Return the session's steps up to the snapshot."""
-    return list(record.state.get("history") or [])
+def snapshot_steps(record: SnapshotRecord) -> int:
+    """Return how many steps the session had taken when it was snapshotted (a fork inherits them)."""
+    return int(record.state.get("steps") or 0)
 
 
 async def get_snapshot(*, db_session: AsyncSession, snapshot_id: str) -> SnapshotRecord:
@@ -75,7 +75,7 @@ async def list_snapshots(
 async def snapshot_session(
     *, db_session: AsyncSession, runtime: WorkerRuntime, session_id: str
 ) -> SnapshotRecord:
-    """Snapshot an open session: its sandbox, its env state and its history so far.
+    """Snapshot an open session: its sandbox, its env state and how far its history goes.
 
     Raises:
         NotFoundError: no such session.
@@ -104,13 +104,13 @@ async def snapshot_session(
 
 async def _record_snapshot(db_session: AsyncSession, row: EnvSession, task: Any, snap: Any) -> SnapshotRecord:
     await db_session.refresh(row)
-    history = list(row.history or [])
-    observation = history[-1]["observation"] if history else task.instruction
+    observation = await sessions_service.last_observation(db_session, row.id)
     record = SnapshotRecord(
         id=new_id("snap"), node=row.node, backend=snap.sandbox.backend, session_id=row.id, task_id=row.task_id,
         kind=KIND_MANUAL, pinned=False, created_at=utcnow(),
-        state={"session": snap.to_json(), "history": history, "observation": observation},
-    )
+        state={"session": snap.to_json(), "steps": row.steps,
+               "observation": task.instruction if observation is None else observation},
+    )  # fmt: skip
     db_session.add(record)
     await db_session.commit()
     return record
@@ -126,7 +126,7 @@ async def live_backend_snapshot_ids(*, db_session: AsyncSession, node: str) -> s
 async def fork_snapshot(
     *, db_session: AsyncSession, runtime: WorkerRuntime, snapshot_id: str, n: int, node: str, max_open: int
 ) -> tuple[SnapshotRecord, list[tuple[EnvSession, SessionOpened]]]:
-    """Start ``n`` sessions continuing from a snapshot; each starts with its history.
+    """Start ``n`` sessions continuing from a snapshot; each inherits the history up to it.
 
     Raises:
         NotFoundError: no such snapshot (or it was deleted).
@@ -140,11 +140,13 @@ async def fork_snapshot(
         raise RateLimitedError(
             f"Forking {n} session(s) would exceed this gateway node's limit of {max_open} open sessions."
         )
-    history = snapshot_history(record)
-    # The rows exist (open, holding the snapshot) before any sandbox does.
+    steps = snapshot_steps(record)
+    # The rows exist (open, holding the snapshot) before any sandbox does. The history up to
+    # the snapshot stays the source session's rows: a fork costs the same after 1 step or 1,000.
     rows = [
-        EnvSession(id=new_id("sess"), task_id=task.id, state=SessionState.OPEN, node=node, steps=len(history),
-                   created_at=utcnow(), history=history, snapshot_id=record.id)
+        EnvSession(id=new_id("sess"), task_id=task.id, state=SessionState.OPEN, node=node, steps=steps,
+                   created_at=utcnow(), snapshot_id=record.id, parent_session_id=record.session_id,
+                   parent_steps=steps)
         for _ in range(n)
     ]
     db_session.add_all(rows)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import subprocess
 
-import pytest
-
 import forkyard
+import pytest
 from forkyard._base_client import RequestOptions
+
 from tests.e2e.test_terminal_tasks import TASKS_DIR, oracle_command
 from tests.live import FORKYARD
 
@@ -43,8 +43,9 @@ def test_forks_continue_from_the_snapshot_and_diverge(client, task_id):
         with client.snapshots.fork(snap.id, 3) as forks:
             assert len(forks) == 3 and len({f.id for f in forks} | {source.id}) == 4
             for i, fork in enumerate(forks):
-                assert [h["action"]["arguments"]["command"] for h in fork.history] == [SETUP]
-                assert fork.observation == fork.history[-1]["observation"]
+                history = list(fork.history())
+                assert [h.action["arguments"]["command"] for h in history] == [SETUP] and fork.info.steps == 1
+                assert history[0].session_id == source.id and fork.observation == history[-1].observation
                 seen = bash(fork, 'echo "$PWD|$FY_VAR|$(cat f.txt)"')
                 assert seen.startswith("/work/fork|branch-point|base\n"), seen
                 bash(fork, f"echo mine-{i} > own.txt && echo changed-{i} > f.txt && export FY_VAR=v{i}")
@@ -94,3 +95,24 @@ def test_snapshot_of_a_closed_session_is_a_conflict(client, task_id):
         client.sessions.snapshot(session_id)
     with pytest.raises(forkyard.UnprocessableEntityError):
         client._request(RequestOptions("POST", "/v1/snapshots/snap_x/fork", json={"n": 65}))
+
+
+def test_a_thousand_steps_are_all_kept_and_readable(client, task_id):
+    """Steps are rows: 1,000 of them through the API, each one intact and paged back in order (a fork's too)."""
+    with client.sessions.create(task_id) as session:
+        for i in range(1000):
+            result = session.step("bash", command=f"echo step-{i}")
+            assert result.observation.startswith(f"step-{i}\n"), result
+        assert client.sessions.get(session.id).steps == 1000
+        history = list(session.history(limit=200))
+        assert [h.seq for h in history] == list(range(1000))
+        assert all(h.action == {"tool": "bash", "arguments": {"command": f"echo step-{i}"}} for i, h in enumerate(history))
+        assert all(h.observation.startswith(f"step-{i}\n") and h.reward is None for i, h in enumerate(history))
+        snap = session.snapshot()
+        with client.snapshots.fork(snap.id, 1) as (fork,):
+            assert fork.observation == history[-1].observation and fork.info.steps == 1000
+            fork.step("bash", command="echo own")
+            inherited = list(fork.history(limit=500))
+            assert [h.observation for h in inherited[:1000]] == [h.observation for h in history]
+            assert inherited[-1].seq == 1000 and inherited[-1].session_id == fork.id
+        client.snapshots.delete(snap.id)

@@ -22,9 +22,14 @@ from fastapi import FastAPI
 from gateway.app import create_app
 from gateway.settings import Settings
 from sandboxes.base import LABEL_NODE, LABEL_OWNER, SandboxInfo, SandboxState
-from workers.errors import ActionError, ImageBuildError, SessionClosedError, SessionNotFoundError
 from sandboxes.errors import SandboxNotFoundError
 from sandboxes.snapshots import Snapshot, snapshot_metadata
+from workers.errors import (
+    ActionError,
+    ImageBuildError,
+    SessionClosedError,
+    SessionNotFoundError,
+)
 from workers.runtime import SessionOpened, SessionSnapshot, StepResult
 from workers.tasks import TerminalTask
 
@@ -82,6 +87,9 @@ class FakeRuntime:
                                      "env_version": env_version}
         self.counters["resets"] += 1
         return SessionOpened(session_id, info, task.instruction, [BASH_TOOL, SUBMIT_TOOL])
+
+    def has_session(self, session_id: str) -> bool:
+        return session_id in self.sessions
 
     async def step(self, session_id: str, tool: str, arguments: dict[str, Any]) -> StepResult:
         session = self.sessions.get(session_id)

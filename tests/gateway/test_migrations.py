@@ -18,7 +18,13 @@ from sqlalchemy import create_engine, inspect
 
 import gateway.models  # noqa: F401
 from gateway.app import create_app
-from gateway.db import Base, alembic_config, check_database, sync_database_url, upgrade_database
+from gateway.db import (
+    Base,
+    alembic_config,
+    check_database,
+    sync_database_url,
+    upgrade_database,
+)
 from tests.gateway.conftest import FakeRuntime, asgi_client, make_settings, task_files
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,6 +142,77 @@ def test_snapshots_revision_keeps_sessions_and_downgrades(backend, tmp_path, req
             assert "snapshot" not in set(inspect(conn).get_table_names())
             assert {c["name"] for c in inspect(conn).get_columns("session")}.isdisjoint({"history", "snapshot_id"})
             assert conn.exec_driver_sql("SELECT id FROM session").scalars().all() == ["sess_1"]
+        command.downgrade(cfg, "base")
+    finally:
+        engine.dispose()
+
+
+def _entry(command: str, observation: str) -> dict:
+    return {"action": {"tool": "bash", "arguments": {"command": command}}, "observation": observation,
+            "reward": None, "terminated": False, "truncated": False}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_session_steps_revision_moves_histories_into_rows_and_back(backend, tmp_path, request):
+    """0006: JSON histories become rows; a fork keeps only its own steps and points at its source."""
+    import json
+
+    url = f"sqlite:///{tmp_path / 'h.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
+    cfg = alembic_config(url)
+    if backend == "postgresql":
+        command.downgrade(cfg, "base")
+    command.upgrade(cfg, "0005")
+    source = [_entry("echo a", "a"), _entry("echo b", "b"), _entry("echo c", "c")]
+    fork = [*source[:2], _entry("echo f", "f")]
+    snap_state = {"session": {"sandbox": {"id": "bsnap"}}, "history": source[:2], "observation": "b"}
+    engine = create_engine(sync_database_url(url))
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(
+                "INSERT INTO environment (id, name, family, version, description, created_at) "
+                "VALUES ('env_1', 'terminal-h', 'terminal', '1', '', CURRENT_TIMESTAMP)")
+            conn.exec_driver_sql(
+                "INSERT INTO task (id, name, environment_id, content_hash, instruction, metadata, archive, created_at) "
+                "VALUES ('task_1', 't', 'env_1', 'h', 'do it', '{}', '', CURRENT_TIMESTAMP)")
+            for sid, history, snap in (("sess_src", source, None), ("sess_fork", fork, "snap_1"),
+                                       ("sess_new", None, None)):
+                conn.exec_driver_sql(
+                    "INSERT INTO session (id, task_id, state, node, steps, created_at, history, snapshot_id) "
+                    "VALUES (%(id)s, 'task_1', 'closed', 'n', %(steps)s, CURRENT_TIMESTAMP, %(history)s, %(snap)s)"
+                    if backend == "postgresql" else
+                    "INSERT INTO session (id, task_id, state, node, steps, created_at, history, snapshot_id) "
+                    "VALUES (:id, 'task_1', 'closed', 'n', :steps, CURRENT_TIMESTAMP, :history, :snap)",
+                    {"id": sid, "steps": len(history or []), "history": json.dumps(history) if history else None,
+                     "snap": snap},
+                )
+            conn.exec_driver_sql(
+                "INSERT INTO snapshot (id, node, backend, session_id, task_id, kind, pinned, state, created_at) "
+                + ("VALUES ('snap_1', 'n', 'local', 'sess_src', 'task_1', 'manual', false, %(state)s, CURRENT_TIMESTAMP)"
+                   if backend == "postgresql" else
+                   "VALUES ('snap_1', 'n', 'local', 'sess_src', 'task_1', 'manual', 0, :state, CURRENT_TIMESTAMP)"),
+                {"state": json.dumps(snap_state)},
+            )
+        command.upgrade(cfg, "head")
+        assert_schema_matches_models(url)
+        with engine.connect() as conn:
+            steps = conn.exec_driver_sql(
+                "SELECT session_id, seq, observation FROM session_step ORDER BY session_id, seq").all()
+            assert [tuple(r) for r in steps] == [("sess_fork", 2, "f"), ("sess_src", 0, "a"), ("sess_src", 1, "b"),
+                                                 ("sess_src", 2, "c")]
+            lineage = conn.exec_driver_sql(
+                "SELECT id, parent_session_id, parent_steps, steps FROM session ORDER BY id").all()
+            assert [tuple(r) for r in lineage] == [("sess_fork", "sess_src", 2, 3), ("sess_new", None, 0, 0),
+                                                   ("sess_src", None, 0, 3)]
+            (state,) = conn.exec_driver_sql("SELECT state FROM snapshot").scalars().all()
+            state = json.loads(state) if isinstance(state, str) else state
+            assert state == {"session": {"sandbox": {"id": "bsnap"}}, "steps": 2, "observation": "b"}
+        command.downgrade(cfg, "0005")
+        with engine.connect() as conn:
+            rows = dict(conn.exec_driver_sql("SELECT id, history FROM session").all())
+            rows = {k: json.loads(v) if isinstance(v, str) else v for k, v in rows.items()}
+            assert rows == {"sess_src": source, "sess_fork": fork, "sess_new": None}
+            (state,) = conn.exec_driver_sql("SELECT state FROM snapshot").scalars().all()
+            assert (json.loads(state) if isinstance(state, str) else state) == snap_state
         command.downgrade(cfg, "base")
     finally:
         engine.dispose()

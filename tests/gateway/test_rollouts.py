@@ -57,6 +57,47 @@ async def test_create_rejects_invalid_bodies_naming_the_field(gateway, change, f
     assert (await gateway.client.get("/v1/rollouts")).json()["items"] == []
 
 
+async def test_policy_api_key_is_kept_as_a_secret(gateway):
+    """The key reaches the row's secret column (and the dispatcher), never a response or a log line."""
+    import logging
+
+    from gateway.logs import RedactingFormatter
+    from gateway.rollouts.models import Rollout
+
+    key = "sk-vllm-" + "k3y" * 8
+    (task_id,) = await import_tasks(gateway.client, ["hello"])
+    policy = {**TOKENS_POLICY, "api_key": key}
+    created = await create_rollout(gateway.client, [task_id], policy=policy)
+    assert "api_key" not in created["policy"] and key not in str(created)
+    assert created["policy"]["base_urls"] == ["http://127.0.0.1:9"]
+    for path in (f"/v1/rollouts/{created['id']}", "/v1/rollouts", "/v1/episodes", "/openapi.json"):
+        response = await gateway.client.get(path)
+        assert response.status_code == 200 and key not in response.text, path
+    async with gateway.app.state.sessionmaker() as db:
+        row = await db.get(Rollout, created["id"])
+        assert row.policy_api_key == key and "api_key" not in row.policy
+    # Loaded once (creating the rollout), the key is redacted from every later log line.
+    record = logging.LogRecord("x", logging.ERROR, __file__, 1, "calling %s with Bearer %s", ("srv", key), None)
+    assert RedactingFormatter("%(message)s").format(record) == "calling srv with Bearer ***"
+
+
+@pytest.mark.parametrize(("policy", "status"), [
+    ({**TOKENS_POLICY, "api": "chat", "tool_choice": "required"}, 201),
+    ({**TOKENS_POLICY, "api": "chat", "tool_choice": "always"}, 422),
+    ({**TOKENS_POLICY, "tool_choice": "auto"}, 422),  # the tokens api has no tool_choice
+    ({**TOKENS_POLICY, "api_key": ""}, 422),
+])
+async def test_policy_tool_choice_and_api_key_are_checked(gateway, policy, status):
+    (task_id,) = await import_tasks(gateway.client, ["hello"])
+    response = await gateway.client.post("/v1/rollouts", json={"tasks": [task_id], "group_size": 1, "policy": policy})
+    assert response.status_code == status, response.text
+    if status == 201:
+        assert response.json()["policy"]["tool_choice"] == "required"
+    else:
+        field = "tool_choice" if "tool_choice" in policy else "api_key"
+        assert field in assert_error(response, 422, "validation_error")["message"]
+
+
 async def test_create_rejects_unknown_and_repeated_tasks_naming_them(gateway):
     (known,) = await import_tasks(gateway.client, ["hello"])
     body = {"tasks": {"ids": [known, "task_nope1", "task_nope2"]}, "group_size": 2, "policy": SCRIPTED_POLICY}

@@ -24,6 +24,20 @@ async def fork(gateway: Gateway, snapshot_id: str, n: int) -> list[dict]:
     return response.json()["items"]
 
 
+async def steps_of(gateway: Gateway, session_id: str, limit: int = 100) -> list[dict]:
+    """Return every step of a session, paging ``GET /v1/sessions/{id}/steps`` by ``limit``."""
+    items, cursor = [], None
+    for _ in range(10_000):
+        params = {"limit": limit, **({"cursor": cursor} if cursor else {})}
+        page = (await gateway.client.get(f"/v1/sessions/{session_id}/steps", params=params)).json()
+        items += page["items"]
+        cursor = page["next"]
+        if cursor is None:
+            assert page["steps"] == len(items) and [s["seq"] for s in items] == list(range(len(items)))
+            return items
+    raise AssertionError("the steps never ended")
+
+
 async def test_fork_continues_with_history_and_state(gateway):
     task = await gateway.import_task()
     source = await gateway.open_session(task["id"])
@@ -38,8 +52,11 @@ async def test_fork_continues_with_history_and_state(gateway):
     assert len({f["id"] for f in forks} | {source["id"]}) == 4
     for f in forks:
         assert f["task_id"] == task["id"] and f["state"] == "open" and f["snapshot_id"] == snap["id"]
-        assert [h["action"]["arguments"]["command"] for h in f["history"]] == ["echo one", "solve it"]
-        assert f["observation"] == f["history"][-1]["observation"]
+        assert f["steps"] == 2
+        history = await steps_of(gateway, f["id"])
+        assert [h["action"]["arguments"]["command"] for h in history] == ["echo one", "solve it"]
+        assert {h["session_id"] for h in history} == {source["id"]}  # inherited: the source's rows
+        assert f["observation"] == history[-1]["observation"]
         assert {t["function"]["name"] for t in f["tools"]} == {"bash", "submit"}
         info = (await gateway.client.get(f"/v1/sessions/{f['id']}")).json()
         assert info["steps"] == 2 and info["snapshot_id"] == snap["id"]
@@ -58,11 +75,38 @@ async def test_fork_of_a_fresh_session_answers_the_instruction_and_a_fork_can_be
     source = await gateway.open_session(task["id"])
     snap = await snapshot(gateway, source["id"])
     (child,) = await fork(gateway, snap["id"], 1)
-    assert child["observation"] == source["observation"] and child["history"] == []
+    assert child["observation"] == source["observation"] and child["steps"] == 0
+    assert await steps_of(gateway, child["id"]) == []
     await step(gateway, child["id"], "echo in child")
     grand = await snapshot(gateway, child["id"])
     (grandchild,) = await fork(gateway, grand["id"], 1)
-    assert [h["observation"] for h in grandchild["history"]] == ["in child\n[exit code 0]"]
+    assert [h["observation"] for h in await steps_of(gateway, grandchild["id"])] == ["in child\n[exit code 0]"]
+    assert grandchild["observation"] == "in child\n[exit code 0]"
+
+
+async def test_steps_of_forks_of_forks_page_across_their_ancestors(gateway):
+    """Each fork inherits its source's steps up to the snapshot, by reference; pages cross the seams."""
+    task = await gateway.import_task("lineage")
+    root = await gateway.open_session(task["id"])
+    for i in range(5):
+        await step(gateway, root["id"], f"echo r{i}")
+    (child,) = await fork(gateway, (await snapshot(gateway, root["id"]))["id"], 1)
+    await step(gateway, root["id"], "echo root-after")  # not the child's
+    for i in range(4):
+        await step(gateway, child["id"], f"echo c{i}")
+    (grandchild,) = await fork(gateway, (await snapshot(gateway, child["id"]))["id"], 1)
+    await step(gateway, grandchild["id"], "echo g0")
+    expected = [f"echo r{i}" for i in range(5)] + [f"echo c{i}" for i in range(4)] + ["echo g0"]
+    owners = [root["id"]] * 5 + [child["id"]] * 4 + [grandchild["id"]]
+    for limit in (1, 3, 4, 100):
+        history = await steps_of(gateway, grandchild["id"], limit=limit)
+        assert [h["action"]["arguments"]["command"] for h in history] == expected, limit
+        assert [h["session_id"] for h in history] == owners
+    assert [h["action"]["arguments"]["command"] for h in await steps_of(gateway, root["id"])] == [
+        *expected[:5], "echo root-after"]
+    assert_error(await gateway.client.get("/v1/sessions/sess_nope/steps"), 404, "not_found")
+    assert_error(await gateway.client.get(f"/v1/sessions/{root['id']}/steps", params={"cursor": "x"}),
+                 422, "validation_error")
 
 
 async def test_errors(gateway):

@@ -259,6 +259,7 @@ class HTTPPolicy:
         self.model = model
         self.timeout_s = float(timeout_s)
         self.max_attempts = max_attempts
+        self._has_key = bool(api_key)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(self.timeout_s, connect=min(connect_timeout_s, self.timeout_s)),
@@ -342,8 +343,12 @@ class HTTPPolicy:
             )
             raise _Retry(error, server_down=False)
         if response.status_code >= 400:
+            hint = ""
+            if response.status_code in (401, 403):
+                hint = " (policy.api_key is wrong)" if self._has_key else " (the server wants policy.api_key)"
             raise PolicyError(
-                f"policy server {server} answered HTTP {response.status_code} to POST {path}: {_error_detail(response)}",
+                f"policy server {server} answered HTTP {response.status_code} to POST {path}{hint}: "
+                f"{_error_detail(response)}",
                 server=server,
                 detail=response.text[:_SNIPPET_CHARS],
             )

@@ -37,6 +37,7 @@ from ._models import (
     SandboxState,
     SessionInfo,
     SessionState,
+    SessionStepRecord,
     Snapshot,
     StepResult,
     Task,
@@ -45,10 +46,10 @@ from ._pagination import AsyncPager, Pager
 from ._streaming import AsyncStream, Stream
 from ._training import group_advantages
 from ._version import __version__
-from .trees import render_tree_svg, render_tree_text
 from .resources.rollouts import AsyncEpisodeBatch, EpisodeBatch
 from .resources.sessions import AsyncSession, AsyncSessionOpener, Session
 from .resources.snapshots import AsyncSessionList, SessionList
+from .trees import render_tree_svg, render_tree_text
 
 __all__ = [
     "__version__",
@@ -74,6 +75,7 @@ __all__ = [
     "Environment",
     "Task",
     "SessionInfo",
+    "SessionStepRecord",
     "SessionState",
     "Snapshot",
     "StepResult",

@@ -105,8 +105,6 @@ class SessionInfo(ForkyardModel):
     """Only set in the answer to session creation: the tools the agent may call."""
     snapshot_id: str | None = None
     """The snapshot this session was forked from, if any."""
-    history: list[dict[str, Any]] | None = None
-    """Only set in the answer to a fork: the steps taken up to the fork point."""
 
 
 class Snapshot(ForkyardModel):
@@ -137,6 +135,22 @@ class StepResult(ForkyardModel):
     def done(self) -> bool:
         """Return whether the episode ended (terminated or truncated)."""
         return self.terminated or self.truncated
+
+
+class SessionStepRecord(ForkyardModel):
+    """One step of a session's history: the action and what it answered."""
+
+    seq: int
+    """Position in the whole history; a fork's inherited steps come first."""
+    session_id: str
+    """The session that ran it (a fork's ancestor, for inherited steps)."""
+    action: dict[str, Any]
+    """``{"tool": ..., "arguments": {...}}``."""
+    observation: str
+    reward: float | None = None
+    terminated: bool = False
+    truncated: bool = False
+    created_at: datetime | None = None
 
 
 class Sandbox(ForkyardModel):

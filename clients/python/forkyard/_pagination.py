@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 PageRequest = Callable[[str | None], RequestOptions[Page[T]]]
+#: Items per page the list methods ask for unless told otherwise.
+DEFAULT_PAGE_SIZE = 50
 """Build the request for the page that starts at a cursor (None = the first page)."""
 
 

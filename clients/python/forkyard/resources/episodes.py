@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from .._base_client import RequestOptions
 from .._models import Episode, EpisodeDetail, EpisodeInfo, EpisodeTree, Page
-from .._pagination import AsyncPager, Pager, PageRequest
+from .._pagination import DEFAULT_PAGE_SIZE, AsyncPager, Pager, PageRequest
 from ._resource import Resource, path_id
 
 if TYPE_CHECKING:
@@ -15,7 +15,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Episodes", "AsyncEpisodes"]
 
-DEFAULT_PAGE_SIZE = 50
 
 
 def _list_request(rollout_id: str | None, status: EpisodeStatus | str | None, limit: int) -> PageRequest[EpisodeInfo]:

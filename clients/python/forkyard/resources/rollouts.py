@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import TYPE_CHECKING, Any, overload
 
 import pydantic
@@ -12,8 +20,16 @@ import pydantic
 from .._base_client import RequestOptions
 from .._exceptions import APIError
 from .._models import DeadLetter, Episode, ForkyardModel, Page, Rollout
-from .._pagination import AsyncPager, Pager, PageRequest
-from .._streaming import DEFAULT_MAX_RECONNECTS, STOP, AsyncStream, Reconnect, ServerSentEvent, Stream, sse_flow
+from .._pagination import DEFAULT_PAGE_SIZE, AsyncPager, Pager, PageRequest
+from .._streaming import (
+    DEFAULT_MAX_RECONNECTS,
+    STOP,
+    AsyncStream,
+    Reconnect,
+    ServerSentEvent,
+    Stream,
+    sse_flow,
+)
 from .._training import DEFAULT_EPS, group_advantages
 from ._resource import Resource, path_id
 
@@ -25,7 +41,6 @@ __all__ = ["Rollouts", "AsyncRollouts", "EpisodeBatch", "AsyncEpisodeBatch"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PAGE_SIZE = 50
 DEFAULT_MAX_EPISODES = 16
 
 

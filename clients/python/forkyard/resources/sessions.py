@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._base_client import RequestOptions
 from .._exceptions import NotFoundError
-from .._models import SessionInfo, Snapshot, StepResult
+from .._models import Page, SessionInfo, SessionStepRecord, Snapshot, StepResult
+from .._pagination import DEFAULT_PAGE_SIZE, AsyncPager, Pager, PageRequest
 from ._resource import Resource, path_id
 from .snapshots import snapshot_request
 
@@ -51,6 +52,17 @@ def _step_request(
     )
 
 
+def _steps_request(session_id: str, limit: int) -> PageRequest[SessionStepRecord]:
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}.")
+    path = f"/v1/sessions/{path_id(session_id, 'session_id')}/steps"
+
+    def page(cursor: str | None) -> RequestOptions[Page[SessionStepRecord]]:
+        return RequestOptions("GET", path, params={"limit": limit, "cursor": cursor}, cast_to=Page[SessionStepRecord])
+
+    return page
+
+
 class _SessionBase:
     """Bookkeeping shared by Session and AsyncSession."""
 
@@ -66,8 +78,6 @@ class _SessionBase:
         self.info = info
         self.observation = info.observation or ""
         self.tools = list(info.tools or [])
-        self.history: list[dict[str, Any]] = list(info.history or [])
-        """The steps taken before this session began (set on a fork)."""
         self.last_result = None
         self._closed = False
 
@@ -137,6 +147,10 @@ class Session(_SessionBase):
         """Snapshot this session now; fork it with client.snapshots.fork(snapshot.id, n)."""
         return self._sessions.snapshot(self.id)
 
+    def history(self, *, limit: int = DEFAULT_PAGE_SIZE) -> Pager[SessionStepRecord]:
+        """Iterate over every step so far, oldest first (a fork's inherited steps first)."""
+        return self._sessions.steps(self.id, limit=limit)
+
     def refresh(self) -> SessionInfo:
         """Fetch the gateway's current record of this session (state, steps, reward)."""
         self.info = self._sessions.get(self.id)
@@ -185,6 +199,10 @@ class AsyncSession(_SessionBase):
     async def snapshot(self) -> Snapshot:
         """Snapshot this session now; fork it with aclient.snapshots.fork(snapshot.id, n)."""
         return await self._sessions.snapshot(self.id)
+
+    def history(self, *, limit: int = DEFAULT_PAGE_SIZE) -> AsyncPager[SessionStepRecord]:
+        """Iterate (`async for`) over every step so far, oldest first (a fork's inherited steps first)."""
+        return self._sessions.steps(self.id, limit=limit)
 
     async def refresh(self) -> SessionInfo:
         """Fetch the gateway's current record of this session (state, steps, reward)."""
@@ -266,6 +284,12 @@ class Sessions(Resource):
         """Snapshot an open session (filesystem, shell cwd and exports, history; not background processes)."""
         return self._client._request(snapshot_request(session_id))
 
+    def steps(
+        self, session_id: str, *, limit: int = DEFAULT_PAGE_SIZE, cursor: str | None = None
+    ) -> Pager[SessionStepRecord]:
+        """Iterate over a session's steps, oldest first (a fork's inherited steps first); `limit` is the page size."""
+        return Pager(self._client, _steps_request(session_id, limit), cursor)
+
     def close(self, session_id: str) -> None:
         """Close a session and free its sandbox (closing a closed session is fine)."""
         self._client._request(_close_request(session_id))
@@ -297,6 +321,12 @@ class AsyncSessions(Resource):
     async def snapshot(self, session_id: str) -> Snapshot:
         """Snapshot an open session (filesystem, shell cwd and exports, history; not background processes)."""
         return await self._client._request(snapshot_request(session_id))
+
+    def steps(
+        self, session_id: str, *, limit: int = DEFAULT_PAGE_SIZE, cursor: str | None = None
+    ) -> AsyncPager[SessionStepRecord]:
+        """Iterate (`async for`) over a session's steps, oldest first; `limit` is the page size."""
+        return AsyncPager(self._client, _steps_request(session_id, limit), cursor)
 
     async def close(self, session_id: str) -> None:
         """Close a session and free its sandbox (closing a closed session is fine)."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .._archive import find_task_dirs, pack_task_dirs
 from .._base_client import RequestOptions
 from .._models import Page, Task
-from .._pagination import AsyncPager, Pager, PageRequest
+from .._pagination import DEFAULT_PAGE_SIZE, AsyncPager, Pager, PageRequest
 from ._resource import Resource, items_of, path_id
 
 if TYPE_CHECKING:
@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 __all__ = ["Tasks", "AsyncTasks"]
 
 DEFAULT_ENVIRONMENT = "terminal"
-DEFAULT_PAGE_SIZE = 50
 
 
 def _import_dir_request(path: str | os.PathLike[str], environment: str) -> RequestOptions[list[Task]]:

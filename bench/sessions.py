@@ -1,0 +1,199 @@
+"""Sessions API overhead: a step, a snapshot and a fork through the gateway vs. the backend alone.
+
+Run with ``.venv/bin/python bench/sessions.py [--steps 1000] [--runs 30] </dev/null`` as
+root after ``bash .ci/bootstrap``. Everything comes from the same run, on the local backend:
+
+- ``round trip``: ``GET /healthz`` with a keep-alive client, the floor of any API call;
+- ``backend exec``: ``LocalBackend.exec`` of the command a step runs (no gateway);
+- ``API step``: ``POST /v1/sessions/{id}/step`` (``bash``) of a command printing 1 KB or
+  8 KB, on one session for ``--steps`` steps; p50 over windows of 20 steps at steps 1, 100
+  and ``--steps`` (the history grows as it goes);
+- ``snapshot`` and ``fork`` (n = 1) through the API vs. ``snapshot`` / ``restore(n=1)`` of
+  the backend, on a session (and sandbox) carrying the history above.
+
+The gateway is a real ``forkyard up`` (SQLite, local backend) on 127.0.0.1; the client is
+httpx with one keep-alive connection. Prints medians and the gateway's added cost
+(API minus backend) against the issue's target of 2 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sandboxes.base import SandboxSpec  # noqa: E402
+from sandboxes.images import DEFAULT_IMAGE_CACHE, ensure_base_image  # noqa: E402
+from sandboxes.local import LocalBackend  # noqa: E402
+
+FORKYARD = ROOT / ".venv" / "bin" / "forkyard"
+TASK_DIR = ROOT / "examples" / "tasks" / "terminal" / "count-log-errors"
+SIZES = {"1 KB": 1024, "8 KB": 8192}
+WINDOW = 20
+#: The issue's target: at most this much added over the backend, at p50.
+TARGET_ADDED_MS = 2.0
+
+
+def med_ms(values: list[float]) -> float:
+    """Return the median of ``values`` (seconds) in milliseconds."""
+    return statistics.median(values) * 1000 if values else float("nan")
+
+
+def command(size: int) -> str:
+    """Return a command printing ``size`` bytes (and a newline)."""
+    return f"printf '%0{size}d\\n' 0"
+
+
+class Gateway:
+    """``forkyard up`` on a free port with a fresh data dir; stopped (and its sandboxes freed) on exit."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.url = self.key = ""
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Gateway:
+        log = self.data_dir / "up.log"
+        self.proc = subprocess.Popen(
+            [str(FORKYARD), "up", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(self.data_dir),
+             "--backend", "local", "--log-level", "warning"],
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+            env={**os.environ, "FORKYARD_NODE": f"bench-{uuid.uuid4().hex[:6]}"},
+        )  # fmt: skip
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (self.url and self.key):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"forkyard up exited:\n{log.read_text()[-3000:]}")
+            text = log.read_text(errors="replace")
+            self.url = (re.search(r"^FORKYARD_URL=(\S+)", text, re.M) or [None, ""])[1]
+            self.key = (re.search(r"^FORKYARD_API_KEY=(\S+)", text, re.M) or [None, ""])[1]
+            time.sleep(0.2)
+        if not (self.url and self.key):
+            raise RuntimeError(f"forkyard up did not get ready:\n{log.read_text()[-3000:]}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def timed(fn, *args, **kwargs) -> tuple[float, httpx.Response]:
+    started = time.perf_counter()
+    response = fn(*args, **kwargs)
+    elapsed = time.perf_counter() - started
+    response.raise_for_status()
+    return elapsed, response
+
+
+def bench_api(gw: Gateway, steps: int, runs: int) -> dict[str, list[float]]:
+    """Time round trips, steps (per size, per window), snapshots and forks through the API."""
+    out: dict[str, list[float]] = {}
+    with httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {gw.key}"}, timeout=120) as http:
+        out["round trip"] = [timed(http.get, "/healthz")[0] for _ in range(max(runs, 100))]
+        files = {str(p.relative_to(TASK_DIR)): p.read_text() for p in sorted(TASK_DIR.rglob("*")) if p.is_file()}
+        imported = http.post("/v1/tasks", json={"tasks": [{"name": TASK_DIR.name, "files": files}]})
+        imported.raise_for_status()
+        task = imported.json()["items"][0]
+        windows = sorted({1, min(100, steps), steps})
+        for label, size in SIZES.items():
+            sid = http.post("/v1/sessions", json={"task_id": task["id"]}).json()["id"]
+            body = {"action": {"tool": "bash", "arguments": {"command": command(size)}}}
+            times = []
+            for _ in range(steps):
+                elapsed, response = timed(http.post, f"/v1/sessions/{sid}/step", json=body)
+                assert len(response.json()["observation"]) >= size, response.text[:200]
+                times.append(elapsed)
+            for w in windows:
+                lo = max(0, min(w - 1, steps - WINDOW))
+                out[f"step {label} @{w}"] = times[lo:lo + WINDOW]
+            if label == "1 KB":  # snapshot and fork the long session
+                snaps, forks = [], []
+                for _ in range(runs):
+                    elapsed, response = timed(http.post, f"/v1/sessions/{sid}/snapshot")
+                    snaps.append(elapsed)
+                    snap_id = response.json()["id"]
+                    elapsed, response = timed(http.post, f"/v1/snapshots/{snap_id}/fork", json={"n": 1})
+                    forks.append(elapsed)
+                    for fork in response.json()["items"]:
+                        http.delete(f"/v1/sessions/{fork['id']}")
+                    http.delete(f"/v1/snapshots/{snap_id}")
+                out["snapshot"], out["fork"] = snaps, forks
+            http.delete(f"/v1/sessions/{sid}")
+    return out
+
+
+async def bench_backend(root: Path, runs: int) -> dict[str, list[float]]:
+    """Time exec, snapshot and restore(n=1) of the local backend itself."""
+    backend = LocalBackend(root, f"bench-{uuid.uuid4().hex[:6]}")
+    ref = await ensure_base_image(backend, DEFAULT_IMAGE_CACHE)
+    out: dict[str, list[float]] = {label: [] for label in ("exec 1 KB", "exec 8 KB", "snapshot", "fork")}
+    info = await backend.create(SandboxSpec(image=ref))
+    try:
+        for label, size in SIZES.items():
+            for _ in range(max(runs, 100)):
+                started = time.perf_counter()
+                await backend.exec(info.id, command(size))
+                out[f"exec {label}"].append(time.perf_counter() - started)
+        for _ in range(runs):
+            started = time.perf_counter()
+            snap = await backend.snapshot(info.id)
+            out["snapshot"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            (branch,) = await backend.restore(snap, 1)
+            out["fork"].append(time.perf_counter() - started)
+            await backend.destroy(branch.id)
+            await backend.delete_snapshot(snap.id)
+    finally:
+        await backend.destroy(info.id)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000, help="steps of each measured session")
+    parser.add_argument("--runs", type=int, default=30, help="snapshots and forks timed")
+    args = parser.parse_args()
+    if args.steps < 1 or args.runs < 1:
+        parser.error("--steps and --runs must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="forkyard-bench-sessions-") as tmp:
+        tmp_path = Path(tmp)
+        print(f"# {time.strftime('%Y-%m-%d')} {platform.node()} {os.cpu_count()} cpus, "
+              f"load {os.getloadavg()[0]:.2f}; {args.steps} steps, {args.runs} runs", flush=True)
+        backend = asyncio.run(bench_backend(tmp_path / "backend", args.runs))
+        (tmp_path / "gw").mkdir()
+        with Gateway(tmp_path / "gw") as gw:
+            api = bench_api(gw, args.steps, args.runs)
+    floor = med_ms(api["round trip"])
+    print(f"\n{'what':<24} {'p50 ms':>8} {'backend ms':>11} {'added ms':>9}  target <= {TARGET_ADDED_MS:g} ms added")
+    print(f"{'round trip (healthz)':<24} {floor:>8.2f}")
+    rows = [(k, f"exec {k.split()[1]} {k.split()[2]}") for k in api if k.startswith("step ")]
+    rows += [("snapshot", "snapshot"), ("fork", "fork")]
+    for key, base_key in rows:
+        value, base = med_ms(api[key]), med_ms(backend[base_key])
+        added = value - base
+        verdict = "met" if added <= TARGET_ADDED_MS else "missed"
+        print(f"{key:<24} {value:>8.2f} {base:>11.2f} {added:>9.2f}  {verdict}")
+
+
+if __name__ == "__main__":
+    main()
