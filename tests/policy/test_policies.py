@@ -30,7 +30,7 @@ from workers.policy.base import Generation, PolicyError, Sampling, parse_weight_
 from workers.policy.chat import ChatPolicy
 from workers.policy.chat_template import ChatTokenizer
 from workers.policy.router import ServerPool, normalize_base_url
-from workers.policy.scripted import ORACLE_DELIMITER, ScriptedPolicy, oracle_actions
+from workers.policy.scripted import ORACLE_DIR, ScriptedPolicy, oracle_actions
 from workers.policy.tokens import TokensPolicy
 from workers.policy.toolcalls import parse_tool_calls
 from workers.tasks import load_task_dir
@@ -517,12 +517,10 @@ async def test_scripted_oracle_replays_the_solution(task_dir):
         assert gen.server == "scripted" and gen.token_ids is None
         return parse_tool_calls(gen.text)
 
-    body = solve if solve.endswith("\n") else solve + "\n"
-    assert await turn("a", 0) == [{
-        "name": "bash",
-        "arguments": {"command": f"bash <<'{ORACLE_DELIMITER}'\n{body}{ORACLE_DELIMITER}",
-                      "timeout": task.agent_timeout_s},
-    }]
+    (call,) = await turn("a", 0)
+    assert call["name"] == "bash" and call["arguments"]["timeout"] == task.agent_timeout_s
+    assert call["arguments"]["command"].endswith(f"bash {ORACLE_DIR}/solve.sh < /dev/null")
+    assert max(solve.splitlines(), key=len) not in call["arguments"]["command"]  # packed, not inlined as text
     assert await turn("b", 0) == await turn("c", 0) != []  # the turn, not the episode, picks the action
     assert await turn("a", 1) == [{"name": "submit", "arguments": {}}]
     with pytest.raises(PolicyError, match="no action left"):
@@ -559,33 +557,24 @@ def test_each_call_gets_its_own_seed_derived_from_the_rollout_seed():
     assert Sampling().seed_for("a", MESSAGES) is None
 
 
-def test_oracle_heredoc_runs_the_script_verbatim(tmp_path):
-    """The heredoc is quoted and its delimiter never clashes: bash runs exactly the script's text."""
-    task_dir = tmp_path / "tricky"
+def test_oracle_command_unpacks_exactly_the_solution_files(tmp_path):
+    """The packed solution is the task's solution/ byte for byte, with solve.sh executable."""
+    import base64
+    import io
+    import re
+    import tarfile
+
+    task_dir = tmp_path / "packed"
     shutil.copytree(_example_tasks()[0], task_dir)
-    script = (
-        "#!/bin/bash\n"
-        "set -eu\n"
-        "x='single $quotes' y=\"double\"\n"
-        'printf \'%s|%s|%s\\n\' "$x" "$y" "$(echo sub)"\n'
-        f"cat <<'{ORACLE_DELIMITER}'\n"
-        "literal $HOME `uname`\n"
-        f"{ORACLE_DELIMITER}\n"
-        "echo done"  # no trailing newline
-    )
-    (task_dir / "solution" / "solve.sh").write_text(script)
+    (task_dir / "solution" / "data.bin").write_bytes(bytes(range(256)) * 3)
     task = load_task_dir(task_dir)
     bash_call, submit = oracle_actions(task)
     assert submit == {"tool": "submit", "arguments": {}}
-    command = bash_call["arguments"]["command"]
-    assert command.splitlines()[0] != f"bash <<'{ORACLE_DELIMITER}'"  # the clash was avoided
-    direct = subprocess.run(["bash", str(task_dir / "solution" / "solve.sh")], capture_output=True, text=True,
-                            cwd=tmp_path, timeout=30, check=False)
-    via_tool = subprocess.run(
-        ["bash", "-c", command], capture_output=True, text=True, cwd=tmp_path, timeout=30, check=False
-    )
-    assert direct.returncode == 0, direct.stderr
-    assert (via_tool.returncode, via_tool.stdout, via_tool.stderr) == (0, direct.stdout, direct.stderr)
+    (packed,) = re.findall(r"printf %s '([A-Za-z0-9+/=]+)'", bash_call["arguments"]["command"])
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(packed)), mode="r:gz") as tar:
+        members = {m.name: (m.mode, tar.extractfile(m).read()) for m in tar.getmembers()}
+    assert {name: data for name, (_, data) in members.items()} == dict(task.solution_files)
+    assert members["solve.sh"][0] == 0o755 and members["data.bin"][0] == 0o644
 
 
 async def test_scripted_actions_in_json_format_with_token_ids(tiny_models):

@@ -439,3 +439,37 @@ async def test_oracle_needs_a_solution(harness: Harness) -> None:
             await env.run_oracle()
         step = await env.step("bash", {"command": "echo usable"})
         assert step.observation.startswith("usable")
+
+
+async def test_scripted_oracle_runs_solve_sh_from_solution_with_no_stdin(harness: Harness) -> None:
+    """As Harbor does: solution/ is at /solution, and a command reading stdin cannot eat the script."""
+    from workers.policy.scripted import oracle_actions
+
+    solve = (
+        b"#!/bin/bash\n"
+        b"set -e\n"
+        b"cat > /app/stdin.txt\n"  # under a heredoc this would swallow the lines below
+        b"cp /solution/expected.txt /app/answer.txt\n"
+        b"touch /app/done\n"
+    )
+    test_sh = (
+        b"#!/bin/bash\n"
+        b"mkdir -p /logs/verifier\n"
+        b"if cmp -s /app/answer.txt /tests/expected.txt && [ ! -s /app/stdin.txt ] && [ -f /app/done ]; then\n"
+        b"  echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n"
+    )
+    task = load_task_files("solution-dir", {
+        "instruction.md": b"Put the expected answer in /app/answer.txt.\n",
+        "task.toml": b"[agent]\ntimeout_sec = 120\n[verifier]\ntimeout_sec = 60\n",
+        "environment/Dockerfile": PROBE_DOCKERFILE,
+        "tests/test.sh": test_sh,
+        "tests/expected.txt": b"forty-two\n",
+        "solution/solve.sh": solve,
+        "solution/expected.txt": b"forty-two\n",
+    })
+    bash_call, submit = oracle_actions(task)
+    async with harness.env(task) as env:
+        ran = await env.step(bash_call["tool"], bash_call["arguments"])
+        assert ran.info["exit_code"] == 0, ran.observation
+        result = await env.step(submit["tool"], submit["arguments"])
+        assert result.reward == 1.0, result.info

@@ -1,8 +1,8 @@
 """A policy with no model: replay a fixed list of tool calls (tests, demos, SFT data).
 
 The actions come from a rollout's ``policy.actions`` (``[{"tool": ..., "arguments":
-{...}}, ...]``) or from a task's oracle: one ``bash`` call running the task's
-``solution/solve.sh`` through a quoted heredoc, then ``submit``. Each action is
+{...}}, ...]``) or from a task's oracle: one ``bash`` call putting the task's
+``solution/`` at ``/solution`` and running ``/solution/solve.sh``, then ``submit``. Each action is
 emitted as assistant text in the agent's tool-call format, so the runner parses it
 with the same parser it uses for a model.
 
@@ -15,7 +15,11 @@ samples of one group diverge the way sampled policies do while staying reproduci
 
 from __future__ import annotations
 
+import base64
+import gzip
+import io
 import random
+import tarfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,31 +32,36 @@ if TYPE_CHECKING:
     from workers.tasks import TerminalTask
 
 SCRIPTED_SERVER = "scripted"
-ORACLE_DELIMITER = "FORKYARD_ORACLE"
+#: Where the oracle finds the task's ``solution/`` (Harbor's path).
+ORACLE_DIR = "/solution"
 
 
 def oracle_actions(task: TerminalTask) -> list[dict[str, Any]]:
-    """Return the oracle's actions for ``task``: bash running ``solution/solve.sh`` via a heredoc, then submit.
+    """Return the oracle's actions for ``task``, as Harbor runs it: ``solution/`` at /solution, then submit.
+
+    One ``bash`` call unpacks the task's ``solution/`` into ``/solution`` (a gzipped tar
+    inlined as base64: it goes through the agent's own tool, nothing else) and runs
+    ``bash /solution/solve.sh`` from the shell's directory with stdin from /dev/null, so
+    a command in the script that reads stdin gets end-of-file, not the rest of the script.
 
     Raises:
         PolicyError: the task ships no ``solution/solve.sh``.
     """
-    script = task.solution_files.get("solve.sh")
-    if script is None:
+    files = task.solution_files
+    if "solve.sh" not in files:
         raise PolicyError(f"task {task.name!r} has no oracle (solution/solve.sh) for the scripted policy to replay")
-    try:
-        source = script.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PolicyError(f"task {task.name!r}: solution/solve.sh is not UTF-8 text") from exc
-    if not source.endswith("\n"):
-        source += "\n"
-    lines = set(source.splitlines())
-    delimiter = ORACLE_DELIMITER
-    n = 0
-    while delimiter in lines:  # a script that contains the delimiter line would end the heredoc early
-        n += 1
-        delimiter = f"{ORACLE_DELIMITER}_{n}"
-    command = f"bash <<'{delimiter}'\n{source}{delimiter}"
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        for rel, data in sorted(files.items()):
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode = len(data), 0o755 if rel.endswith(".sh") else 0o644
+            tar.addfile(info, io.BytesIO(data))
+    packed = base64.b64encode(buffer.getvalue()).decode("ascii")
+    command = (
+        f"rm -rf {ORACLE_DIR} && mkdir -p {ORACLE_DIR} && "
+        f"printf %s '{packed}' | base64 -d | tar -xzf - -C {ORACLE_DIR} --no-same-owner && "
+        f"bash {ORACLE_DIR}/solve.sh < /dev/null"
+    )
     return [
         {"tool": "bash", "arguments": {"command": command, "timeout": task.agent_timeout_s}},
         {"tool": "submit", "arguments": {}},
@@ -163,4 +172,4 @@ class ScriptedPolicy:
         """Nothing to close."""
 
 
-__all__ = ["ORACLE_DELIMITER", "ScriptedPolicy", "oracle_actions"]
+__all__ = ["ORACLE_DIR", "ScriptedPolicy", "oracle_actions"]
