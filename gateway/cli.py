@@ -289,6 +289,8 @@ def cmd_tasks_import(args: argparse.Namespace) -> int:
                     raise CLIError(f"importing {task.name} failed: {_describe_http_error(response)}", exit_code=code)
                 for item in response.json()["items"]:
                     print(f"{item['id']}  {item['name']}", flush=True)
+                    for warning in item.get("warnings") or ():
+                        _stderr(f"forkyard: {item['name']}: {warning}")
     except httpx.HTTPError as exc:
         raise CLIError(f"cannot reach the gateway at {url}: {exc}") from exc
     return 0

@@ -19,8 +19,10 @@ resets from a snapshot taken right after it. ``[environment] deterministic_tools
 (default false) declares that the same actions from the same state always give the
 same observations, which lets samples of one group share a sandbox until they diverge.
 
-Unknown keys of ``task.toml`` are ignored (Harbor grows new ones); known keys must
-have the right type. Every problem is a :class:`~workers.errors.TaskFormatError`
+Keys of ``task.toml`` that Forkyard does not use are accepted (Harbor grows new ones)
+and reported in :attr:`TerminalTask.warnings` (the import answer lists them); the keys it
+uses must have the right type. Left out, a key takes Harbor's default (verifier 600 s,
+2048 MB, internet allowed). Every problem is a :class:`~workers.errors.TaskFormatError`
 naming the file and the field.
 """
 
@@ -58,12 +60,28 @@ MAX_ARCHIVE_MEMBERS = 65536
 #: Room for headers and padding in the tar stream beyond MAX_ARCHIVE_BYTES of file contents.
 MAX_ARCHIVE_OVERHEAD = 64 * 1024 * 1024
 
+#: Harbor's defaults (its ``TaskConfig``), so a task that leaves a field out runs as it does there.
 DEFAULT_AGENT_TIMEOUT_S = 600.0
-DEFAULT_VERIFIER_TIMEOUT_S = 120.0
+DEFAULT_VERIFIER_TIMEOUT_S = 600.0
 DEFAULT_SETUP_TIMEOUT_S = 600.0
 DEFAULT_CPUS = 1.0
-DEFAULT_MEMORY_MB = 1024
+DEFAULT_MEMORY_MB = 2048
 DEFAULT_DISK_MB = 10240
+#: Harbor's ``allow_internet`` default: runs reach the internet (under the sandbox's egress
+#: rules: never the host or private networks) unless the task says otherwise.
+DEFAULT_ALLOW_INTERNET = True
+
+#: The ``task.toml`` keys Forkyard reads, by table; any other is reported at import.
+USED_KEYS: Mapping[str, frozenset[str]] = MappingProxyType({
+    "": frozenset({"version", "schema_version", "task", "metadata", "agent", "verifier", "environment"}),
+    "task": frozenset({"name", "description", "authors", "keywords"}),
+    "agent": frozenset({"timeout_sec"}),
+    "verifier": frozenset({"timeout_sec"}),
+    "environment": frozenset({
+        "docker_image", "cpus", "memory", "memory_mb", "storage", "storage_mb", "network", "allow_internet",
+        "setup_timeout_sec", "deterministic_tools",
+    }),
+})  # fmt: skip
 
 INSTRUCTION_FILE = "instruction.md"
 CONFIG_FILE = "task.toml"
@@ -105,6 +123,8 @@ class TerminalTask:
     """Every file of the task dir by relative posix path, sorted."""
     content_hash: str
     """sha256 hex of a canonical encoding of the name and the files."""
+    warnings: tuple[str, ...] = ()
+    """What of ``task.toml`` Forkyard does not use (reported at import, never silently dropped)."""
 
     def __hash__(self) -> int:
         return hash((self.name, self.content_hash))
@@ -228,10 +248,14 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
     agent = _table(config, "agent")
     verifier = _table(config, "verifier")
     environment = _table(config, "environment")
-    known = {"metadata", "agent", "verifier", "environment", "version"}
-    for key in config:
-        if key not in known:
-            logger.debug("task %s: ignoring unknown task.toml key %r", name, key)
+    for key in ("version", "schema_version"):
+        if key in config and not isinstance(config[key], str):
+            raise TaskFormatError(f"{CONFIG_FILE}: {key} must be a string such as \"1.1\", got {config[key]!r}",
+                                  file=CONFIG_FILE, field=key)
+    package = _table(config, "task")
+    if package:
+        metadata = {**metadata, "package": package}
+    warnings = unused_keys(config)
 
     agent_timeout = _positive_number(agent, "agent", "timeout_sec", DEFAULT_AGENT_TIMEOUT_S)
     verifier_timeout = _positive_number(verifier, "verifier", "timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S)
@@ -246,13 +270,17 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
             file=CONFIG_FILE,
             field="environment.docker_image",
         )
-    network = environment.get("network", False)
-    if not isinstance(network, bool):
-        raise TaskFormatError(
-            f"{CONFIG_FILE}: [environment] network must be true or false, got {network!r}",
-            file=CONFIG_FILE,
-            field="environment.network",
-        )
+    # Forkyard's ``network`` and Harbor's ``allow_internet`` say the same; ``network`` wins.
+    network = environment.get("network", environment.get("allow_internet", DEFAULT_ALLOW_INTERNET))
+    for key in ("network", "allow_internet"):
+        if key in environment and not isinstance(environment[key], bool):
+            raise TaskFormatError(
+                f"{CONFIG_FILE}: [environment] {key} must be true or false, got {environment[key]!r}",
+                file=CONFIG_FILE,
+                field=f"environment.{key}",
+            )
+    if "network" in environment and environment.get("allow_internet", network) != network:
+        warnings = (*warnings, "[environment] network and allow_internet disagree; network wins")
     deterministic_tools = environment.get("deterministic_tools", False)
     if not isinstance(deterministic_tools, bool):
         raise TaskFormatError(
@@ -291,7 +319,18 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
         deterministic_tools=deterministic_tools,
         files=MappingProxyType(ordered),
         content_hash=content_hash(name, ordered),
+        warnings=warnings,
     )
+
+
+def unused_keys(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """Return a line for each ``task.toml`` key Forkyard does not use (``[metadata]`` is free-form)."""
+    unused = [f"{key}" for key in config if key not in USED_KEYS[""]]
+    for table, keys in USED_KEYS.items():
+        value = config.get(table) if table else None
+        if isinstance(value, dict):
+            unused += [f"[{table}] {key}" for key in value if key not in keys]
+    return tuple(f"{CONFIG_FILE}: {key} is not used by Forkyard" for key in unused)
 
 
 def validate_task_name(name: object) -> str:
@@ -439,7 +478,8 @@ def tasks_from_tar(data: bytes) -> list[TerminalTask]:
     The archive holds either one task (``task.toml`` at its top, or in its single
     top-level folder) or several task dirs (each top-level folder with a
     ``task.toml``); a single wrapping folder around several tasks is looked through.
-    A task at the very top takes its name from ``[metadata] name``.
+    A task at the very top takes its name from ``[task] name`` (Harbor's schema 1.1:
+    ``org/name``, of which the name part) or ``[metadata] name``.
 
     Raises:
         TaskFormatError: the archive is unreadable, too big, holds links, absolute
@@ -496,12 +536,16 @@ def _single_top_task(files: Mapping[str, bytes], prefix: str) -> TerminalTask:
     name: object = None
     if CONFIG_FILE in members:
         config = _parse_config(_text(members, CONFIG_FILE))
-        name = _table(config, "metadata").get("name")
+        # Harbor's newer schema names a task in [task] name ("org/name"); the older one in [metadata].
+        package = _table(config, "task").get("name")
+        name = package.rsplit("/", 1)[-1] if isinstance(package, str) and package else None
+        name = name or _table(config, "metadata").get("name")
     if name is None and prefix:
         name = prefix.rstrip("/").rsplit("/", 1)[-1]
     if name is None:
         raise TaskFormatError(
-            f"{CONFIG_FILE}: the task is at the archive's top level, so [metadata] name must give its name",
+            f"{CONFIG_FILE}: the task is at the archive's top level, so [task] name (or [metadata] name) "
+            "must give its name",
             file=CONFIG_FILE,
             field="metadata.name",
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,6 +16,8 @@ from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.tasks import service
 from gateway.tasks.schemas import TaskImport, TaskList, TaskPage, TaskRead
 from workers.tasks import TerminalTask, load_task_files, tasks_from_tar
+
+logger = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/tasks", tags=["tasks"])
 
@@ -109,7 +112,12 @@ async def import_tasks(
         tasks, max_cpus=limits.max_cpus, max_memory_mb=limits.max_memory_mb, max_disk_mb=limits.max_disk_mb
     )
     rows = await service.import_tasks(db_session=db_session, tasks=tasks)
-    return TaskList(items=[TaskRead.from_row(r) for r in rows])
+    items = []
+    for row, (_, task) in zip(rows, tasks, strict=True):
+        if task.warnings:
+            logger.info("task %s (%s): %s", task.name, row.id, "; ".join(task.warnings))
+        items.append(TaskRead.from_row(row).model_copy(update={"warnings": list(task.warnings)}))
+    return TaskList(items=items)
 
 
 @router.get("", response_model=TaskPage)

@@ -40,6 +40,8 @@ class TaskRead(BaseModel):
     instruction: str
     metadata: dict[str, Any]
     created_at: datetime
+    warnings: list[str] = Field(default_factory=list)
+    """In an import's answer: what of the task's ``task.toml`` Forkyard does not use."""
 
     @classmethod
     def from_row(cls, row: Task) -> TaskRead:

@@ -113,11 +113,40 @@ def test_fields_are_read_from_task_toml() -> None:
     assert task.docker_image is None
 
 
-def test_defaults_when_tables_are_missing() -> None:
+def test_defaults_when_tables_are_missing_are_harbors() -> None:
     task = load_task_files("t", minimal_files(**{"task.toml": b'version = "1.0"\n'}))
-    assert task.metadata == {}
-    assert (task.agent_timeout_s, task.verifier_timeout_s) == (600.0, 120.0)
-    assert (task.cpus, task.memory_mb, task.network, task.docker_image) == (1.0, 1024, False, None)
+    assert task.metadata == {} and task.warnings == ()
+    assert (task.agent_timeout_s, task.verifier_timeout_s) == (600.0, 600.0)
+    assert (task.cpus, task.memory_mb, task.disk_mb, task.network, task.docker_image) == (1.0, 2048, 10240, True, None)
+
+
+@pytest.mark.parametrize(("environment", "network"), [
+    ("allow_internet = false", False),
+    ("allow_internet = true", True),
+    ("network = false", False),
+    ("network = false\nallow_internet = true", False),  # Forkyard's own key wins (and the clash is reported)
+])
+def test_allow_internet_is_harbors_network(environment: str, network: bool) -> None:
+    task = load_task_files("t", minimal_files(**{"task.toml": f"[environment]\n{environment}\n".encode()}))
+    assert task.network is network
+    assert any("disagree" in w for w in task.warnings) == ("true" in environment and "network" in environment)
+
+
+def test_schema_1_1_with_a_task_table_and_unused_fields_reported() -> None:
+    toml = (b'schema_version = "1.1"\nsource = "somewhere"\n[task]\nname = "org/renamed"\nkeywords = ["x"]\n'
+            b'[verifier]\ntimeout_sec = 30\nenv = { TOKEN = "x" }\n[environment]\nbuild_timeout_sec = 900\n'
+            b'gpus = 0\nallow_internet = false\n[solution]\nenv = {}\n[agent]\nuser = "agent"\n')
+    task = load_task_files("t", minimal_files(**{"task.toml": toml}))
+    assert task.metadata["package"] == {"name": "org/renamed", "keywords": ["x"]}
+    assert task.verifier_timeout_s == 30.0 and task.network is False
+    assert sorted(w.removeprefix("task.toml: ").removesuffix(" is not used by Forkyard") for w in task.warnings) == [
+        "[agent] user", "[environment] build_timeout_sec", "[environment] gpus", "[verifier] env", "solution",
+        "source"]
+    # A task at an archive's top level takes its name from [task] name.
+    (top,) = tasks_from_tar(make_tar(list(minimal_files(**{"task.toml": toml}).items())))
+    assert top.name == "renamed" and top.warnings == task.warnings
+    with pytest.raises(TaskFormatError, match="schema_version must be a string"):
+        load_task_files("t", minimal_files(**{"task.toml": b"schema_version = 1.1\n"}))
 
 
 def test_docker_image_replaces_the_dockerfile() -> None:

@@ -473,3 +473,12 @@ async def test_scripted_oracle_runs_solve_sh_from_solution_with_no_stdin(harness
         assert ran.info["exit_code"] == 0, ran.observation
         result = await env.step(submit["tool"], submit["arguments"])
         assert result.reward == 1.0, result.info
+
+
+@pytest.mark.parametrize(("environment", "networked"), [("", True), ("allow_internet = false", False)])
+async def test_runs_get_harbors_internet_default_unless_the_task_says_otherwise(
+    harness: Harness, environment: str, networked: bool
+) -> None:
+    async with harness.env(probe_task(environment=environment)) as env:
+        counted = await env.step("bash", {"command": "ls /sys/class/net | grep -cvx lo"})
+        assert (int(counted.observation.split()[0]) > 0) == networked, counted.observation  # a link beside lo

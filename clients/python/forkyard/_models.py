@@ -86,6 +86,8 @@ class Task(ForkyardModel):
     instruction: str = ""
     metadata: dict[str, Any] = Field(default_factory=dict)
     created_at: datetime | None = None
+    warnings: list[str] = Field(default_factory=list)
+    """Only in an import's answer: the task.toml keys Forkyard does not use."""
 
 
 class SessionInfo(ForkyardModel):
