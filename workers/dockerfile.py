@@ -851,9 +851,9 @@ async def build_task_image(
     """
     aliases = DEFAULT_ALIASES if aliases is None else aliases
     stage = parse_stage(parse_dockerfile(dockerfile), build_args)
-    from_ref = resolve_alias(stage.from_image, aliases, base_image)
-    if from_ref is None and await backend.has_image(stage.from_image):
-        from_ref = stage.from_image
+    # The real image when this host has it (imported, or pulled before); else its stand-in.
+    from_ref = stage.from_image if await backend.has_image(stage.from_image) else None
+    from_ref = from_ref or resolve_alias(stage.from_image, aliases, base_image)
     if from_ref is None:
         known = ", ".join(sorted(aliases)[:8])
         raise DockerfileError(

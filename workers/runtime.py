@@ -126,14 +126,20 @@ class WorkerRuntime:
         if self.base_image is None:
             await self.start(progress=progress)
         assert self.base_image is not None
-        if task.docker_image:
-            image = dict(self._aliases()).get(task.docker_image, task.docker_image)
-            if not await self.backend.has_image(image):
-                raise ImageBuildError(
-                    f"task {task.name!r}: docker_image {task.docker_image!r} is not available locally"
-                )
-            return image
         dockerfile = task.files.get("environment/Dockerfile")
+        if task.docker_image:
+            # The real image when this host has it, else its stand-in; else, as Harbor's
+            # --force-build does, the task's own Dockerfile (every TB2 task names a prebuilt image).
+            for image in (task.docker_image, self._aliases().get(task.docker_image)):
+                if image and await self.backend.has_image(image):
+                    return image
+            if dockerfile is None:
+                raise ImageBuildError(
+                    f"task {task.name!r}: docker_image {task.docker_image!r} is not available locally "
+                    "and the task ships no environment/Dockerfile to build instead"
+                )
+            logger.warning("task %s: docker_image %s is not available locally; building environment/Dockerfile "
+                           "instead", task.name, task.docker_image)
         if dockerfile is None:
             raise ImageBuildError(f"task {task.name!r} has neither environment/Dockerfile nor docker_image")
         context = {

@@ -1,0 +1,86 @@
+"""Which image a task's sandboxes start from: docker_image, its stand-in, a real local image, or the Dockerfile.
+
+Harbor's behaviour is the one to match: a ``docker_image`` this host does not have falls
+back to building ``environment/Dockerfile`` (``--force-build``), and a real image present
+locally wins over Forkyard's stand-in for the same name.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from sandboxes.backends import create_backend
+from sandboxes.base import ImageConfig, SandboxSpec
+from tests.conftest import base_image
+from workers.errors import ImageBuildError
+from workers.runtime import WorkerRuntime
+from workers.tasks import load_task_files
+
+
+@pytest.fixture(scope="module", params=[pytest.param("local", marks=pytest.mark.local),
+                                        pytest.param("docker", marks=pytest.mark.docker)])
+async def runtime(request):
+    root = Path(tempfile.mkdtemp(prefix="forkyard-images-"))
+    backend = create_backend(request.param, node=f"test-images-{uuid.uuid4().hex[:8]}", root_dir=root)
+    rt = WorkerRuntime(backend, image_cache_dir=Path("/var/cache/forkyard/images"), base_image=await base_image(backend))
+    try:
+        yield rt
+    finally:
+        await rt.aclose()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def task(environment: str, dockerfile: bytes | None) -> object:
+    files = {
+        "instruction.md": b"x\n",
+        "task.toml": f"[environment]\n{environment}\n".encode(),
+        "tests/test.sh": b"#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n",
+    }
+    if dockerfile is not None:
+        files["environment/Dockerfile"] = dockerfile
+    return load_task_files(f"images-{uuid.uuid4().hex[:6]}", files)
+
+
+async def read(runtime: WorkerRuntime, image: str, command: str) -> str:
+    info = await runtime.backend.create(SandboxSpec(image=image))
+    try:
+        return (await runtime.backend.exec(info.id, command)).stdout
+    finally:
+        await runtime.backend.destroy(info.id)
+
+
+async def test_a_missing_docker_image_falls_back_to_the_dockerfile(runtime, caplog):
+    built = task('docker_image = "registry.invalid/team/env:1.0"',
+                 b"FROM ubuntu:24.04\nRUN echo from-dockerfile > /marker\n")
+    image = await runtime.task_image(built)
+    assert await read(runtime, image, "cat /marker") == "from-dockerfile\n"
+    assert "registry.invalid/team/env:1.0 is not available locally" in caplog.text
+    with pytest.raises(ImageBuildError, match="ships no environment/Dockerfile"):
+        await runtime.task_image(task('docker_image = "registry.invalid/team/env:1.0"', None))
+
+
+async def test_a_real_local_image_wins_over_its_stand_in(runtime):
+    real = "debian:stable-slim"  # a stand-in name; the test makes a real image of it and removes it
+    assert not await runtime.backend.has_image(real), "a real debian:stable-slim is on this host already"
+    maker = await runtime.backend.create(SandboxSpec(image=runtime.base_image))
+    try:
+        await runtime.backend.exec(maker.id, "echo real > /marker-real")
+        await runtime.backend.commit(maker.id, real, ImageConfig(workdir="/", user="root"))
+    finally:
+        await runtime.backend.destroy(maker.id)
+    built = None
+    try:
+        assert await runtime.task_image(task(f'docker_image = "{real}"', None)) == real
+        built = await runtime.task_image(task("", f"FROM {real}\nRUN cat /marker-real > /marker\n".encode()))
+        assert await read(runtime, built, "cat /marker") == "real\n"
+    finally:
+        await runtime.backend.remove_image(real)
+        if built:
+            await runtime.backend.remove_image(built)
+    stand_in = await runtime.task_image(task("", f"FROM {real}\nRUN ls /marker-real || echo none > /m\n".encode()))
+    assert await read(runtime, stand_in, "cat /m") == "none\n"  # without the real one, the stand-in again
