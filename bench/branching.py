@@ -18,7 +18,7 @@ Then, on the local backend (and docker when it is available), through the real r
   of ``--suffix`` turns each) against ``--fanout`` independent episodes of the same
   actions, run concurrently: environment steps executed (counted by the runtime) and wall
   time, as ratios. Every turn runs a real command (``--step-work`` of CPU in Python).
-- setup cache: ``reset()`` of ``examples/tasks/terminal/sensor-stats`` (its setup.sh builds a
+- setup cache: ``reset()`` of ``examples/tasks/terminal/sensor-stats`` (its reset.sh builds a
   virtualenv and a data set) cold (no cache) vs served from the setup cache, as a ratio.
 
 Before measuring it waits (at most ``--max-wait-s``) until the 1-minute load average is
@@ -403,7 +403,7 @@ def print_tree_table(trees: dict[str, dict[str, list[float]]], args: argparse.Na
 
 
 def print_cache_table(caches: dict[str, dict[str, list[float]]]) -> None:
-    print("Setup cache: reset() of sensor-stats (setup.sh builds a virtualenv and a data set), "
+    print("Setup cache: reset() of sensor-stats (reset.sh builds a virtualenv and a data set), "
           "cold vs from the cache (p50 / p95 ms):")
     print()
     print("| backend | cold reset | cached reset | ratio (cold p50 / cached p50) |")

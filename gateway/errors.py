@@ -146,6 +146,8 @@ def map_foreign_error(exc: Exception) -> GatewayError | None:
         return ConflictError(_sentence(str(exc)), code="session_closed")
     if isinstance(exc, worker_errors.ImageBuildError):
         return InvalidRequestError(_sentence(str(exc)), code="image_build_error")
+    if isinstance(exc, worker_errors.TaskSetupError):
+        return InvalidRequestError(_sentence(str(exc)), code="task_setup_failed")
     if isinstance(exc, SandboxError):
         return UnavailableError(_sentence(f"Sandbox backend error: {exc}"), code="sandbox_error")
     return None

@@ -35,7 +35,7 @@ class StageLimitsSettings(BaseModel):
 
 
 class SetupCacheSettings(BaseModel):
-    """The setup cache: a snapshot of each task's sandbox right after its environment/setup.sh ran."""
+    """The setup cache: a snapshot of each task's sandbox right after its forkyard/reset.sh ran."""
 
     max_bytes: int = Field(default=20 * 1024**3, ge=0)
     """Cap on the bytes the cached snapshots hold (``FORKYARD_SETUP_CACHE__MAX_BYTES``); 0 turns the cache off."""

@@ -18,6 +18,10 @@ class ImageBuildError(WorkerError):
     """An environment's Dockerfile cannot be built (unsupported instruction, failing RUN...)."""
 
 
+class TaskSetupError(WorkerError):
+    """The task's own reset hook (``forkyard/reset.sh``) failed or ran past its time: the task's fault."""
+
+
 class ActionError(WorkerError):
     """An action names an unknown tool or carries invalid arguments."""
 

@@ -100,7 +100,7 @@ class WorkerRuntime:
         self.aliases = aliases
         self.base_image = base_image
         self.setup_cache = setup_cache
-        """Post-setup snapshots of tasks with a setup.sh, shared by every env this runtime makes."""
+        """Post-setup snapshots of tasks with a reset.sh, shared by every env this runtime makes."""
         self.counters: collections.Counter[str] = collections.Counter()
         """What the envs did: ``env_steps``, ``resets``, ``setup_runs``, ``setup_cache_hits``/``_misses``, ``setup_uncacheable``."""
         self._envs: dict[str, TerminalEnv] = {}

@@ -1,6 +1,6 @@
 """The setup cache: a snapshot of each task's sandbox right after its reset and setup.
 
-A reset with an ``environment/setup.sh`` (install dependencies, generate data) can take
+A reset with an ``forkyard/reset.sh`` (install dependencies, generate data) can take
 seconds to minutes; the state it leaves depends only on the environment's version, the
 task's content and the image it runs on. The first reset of such a key snapshots the
 sandbox and stores it here; later resets restore the snapshot instead of running the

@@ -6,11 +6,13 @@ A task directory looks like::
         instruction.md          what the agent is asked to do (required, non-empty)
         task.toml               [metadata], [agent], [verifier], [environment] (required)
         environment/Dockerfile  the scene (required unless [environment] docker_image)
-        environment/setup.sh    run at every reset, after the sandbox starts (optional)
+        forkyard/reset.sh       Forkyard's reset hook: run at every reset (optional)
         tests/test.sh           the verifier, copied in only at verification (required)
         solution/solve.sh       the oracle (optional)
 
-``environment/setup.sh`` does per-reset work the image cannot hold (install
+``environment/setup.sh`` is Harbor's: only a file the Dockerfile may COPY and RUN at
+build time; Forkyard never runs it (running it again at each reset broke tasks whose
+prepared state it changes). ``forkyard/reset.sh`` does per-reset work the image cannot hold (install
 dependencies, generate data, start from a known state): it runs with bash from the
 task's working directory with the image's environment, bounded by ``[environment]
 setup_timeout_sec`` (default 600), and a failure fails the reset. A worker with a
@@ -86,7 +88,7 @@ USED_KEYS: Mapping[str, frozenset[str]] = MappingProxyType({
 INSTRUCTION_FILE = "instruction.md"
 CONFIG_FILE = "task.toml"
 DOCKERFILE = "environment/Dockerfile"
-SETUP_SCRIPT = "environment/setup.sh"
+SETUP_SCRIPT = "forkyard/reset.sh"
 TEST_SCRIPT = "tests/test.sh"
 SOLUTION_SCRIPT = "solution/solve.sh"
 
@@ -116,7 +118,7 @@ class TerminalTask:
     docker_image: str | None
     network: bool
     setup_timeout_s: float
-    """Seconds ``environment/setup.sh`` may run at a reset."""
+    """Seconds ``forkyard/reset.sh`` may run at a reset."""
     deterministic_tools: bool
     """The tools give the same observation for the same action from the same state."""
     files: Mapping[str, bytes]
@@ -137,7 +139,7 @@ class TerminalTask:
 
     @property
     def setup_script(self) -> bytes | None:
-        """Return ``environment/setup.sh``, or None when the task has none."""
+        """Return ``forkyard/reset.sh``, or None when the task has none."""
         return self.files.get(SETUP_SCRIPT)
 
     @property

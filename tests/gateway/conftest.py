@@ -29,6 +29,7 @@ from workers.errors import (
     ImageBuildError,
     SessionClosedError,
     SessionNotFoundError,
+    TaskSetupError,
 )
 from workers.runtime import SessionOpened, SessionSnapshot, StepResult
 from workers.tasks import TerminalTask
@@ -76,6 +77,8 @@ class FakeRuntime:
                            env_version: str = "") -> SessionOpened:
         if task.metadata.get("fake_fail_build"):
             raise ImageBuildError("environment/Dockerfile line 2: unsupported instruction 'FROBNICATE'")
+        if task.metadata.get("fake_fail_reset"):
+            raise TaskSetupError(f"task {task.name!r}: forkyard/reset.sh failed with exit code 3: no such package")
         sandbox_id = "sbx_" + secrets.token_hex(6)
         info = SandboxInfo(
             id=sandbox_id, backend="fake", node=self.node, state=SandboxState.READY, image="fake/env:1",

@@ -103,6 +103,15 @@ async def test_failed_open_answers_image_build_error_and_records_failure(gateway
     assert (await gateway.open_session(good["id"]))["state"] == "open"
 
 
+async def test_a_failing_reset_script_is_the_tasks_error_not_the_gateways(gateway):
+    task = await gateway.import_task("bad-reset", metadata="fake_fail_reset = true")
+    error = assert_error(await gateway.client.post("/v1/sessions", json={"task_id": task["id"]}),
+                         422, "task_setup_failed")
+    assert "reset.sh failed with exit code 3" in error["message"]
+    (session,) = (await gateway.client.get("/v1/sessions", params={"task_id": task["id"]})).json()["items"]
+    assert session["state"] == "failed" and "no such package" in session["error"]
+
+
 async def test_open_session_limit_answers_429(tmp_path):
     runtime = FakeRuntime()
     app = create_app(make_settings(tmp_path, sessions={"max_open": 2}), runtime=runtime)

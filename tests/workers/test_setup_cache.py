@@ -1,4 +1,4 @@
-"""The setup cache on real backends: setup.sh runs once per key, later resets restore its snapshot.
+"""The setup cache on real backends: reset.sh runs once per key, later resets restore its snapshot.
 
 The slow-setup example task (``sensor-stats``: a virtualenv plus a generated data set)
 shows a hit serves the same state as the cold run without running setup again. Small
@@ -24,14 +24,14 @@ from sandboxes.base import LABEL_OWNER
 from sandboxes.errors import ImageNotFoundError, SandboxError
 from sandboxes.snapshots import Snapshot
 from workers.envs.terminal import TerminalEnv
-from workers.errors import TaskFormatError
+from workers.errors import TaskFormatError, TaskSetupError
 from workers.setup_cache import SetupCache, SetupCacheKey
 from workers.tasks import TerminalTask, load_task_dir, load_task_files
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "terminal"
 SLOW_TASK = load_task_dir(EXAMPLES / "sensor-stats")
 
-QUICK_DOCKERFILE = b"FROM ubuntu:24.04\nWORKDIR /app\n"
+QUICK_DOCKERFILE = b"FROM ubuntu:24.04\nRUN mkdir -p /opt/quick\nWORKDIR /app\n"
 # Appends one line per run and leaves 256 KiB of random bytes, so entries have a size and runs differ.
 QUICK_SETUP = b"""#!/bin/bash
 set -euo pipefail
@@ -39,7 +39,7 @@ echo "run $(cat /proc/sys/kernel/random/uuid)" >> /var/log/quick-setup.log
 head -c 262144 /dev/urandom > /opt/blob
 echo "setup saw PWD=$PWD MARK=${MARK:-unset}" > /opt/setup-env.txt
 """
-# Starts a "service" (a shell loop) that outlives setup.sh and records its pid.
+# Starts a "service" (a shell loop) that outlives reset.sh and records its pid.
 SERVICE_SETUP = b"""#!/bin/bash
 set -euo pipefail
 echo "run $(cat /proc/sys/kernel/random/uuid)" >> /var/log/quick-setup.log
@@ -53,14 +53,14 @@ test -f /app/done && echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifi
 
 
 def quick_task(instruction: str = "Create /app/done.\n", *, setup: bytes = QUICK_SETUP, toml: str = "") -> TerminalTask:
-    """Return a small task whose setup.sh takes milliseconds; the instruction varies its content hash only."""
+    """Return a small task whose reset.sh takes milliseconds; the instruction varies its content hash only."""
     return load_task_files(
         "quick-setup",
         {
             "instruction.md": instruction.encode(),
             "task.toml": f"[agent]\ntimeout_sec = 600\n[environment]\n{toml}".encode(),
             "environment/Dockerfile": QUICK_DOCKERFILE,
-            "environment/setup.sh": setup,
+            "forkyard/reset.sh": setup,
             "tests/test.sh": QUICK_TEST,
         },
     )
@@ -95,7 +95,7 @@ def test_bad_setup_fields_are_refused(toml: str, field: str) -> None:
 
 
 def test_setup_script_must_be_text() -> None:
-    with pytest.raises(TaskFormatError, match="setup.sh"):
+    with pytest.raises(TaskFormatError, match="reset.sh"):
         quick_task(setup=b"\xff\xfe not utf-8")
 
 
@@ -543,7 +543,7 @@ async def test_a_failing_or_slow_setup_fails_the_reset(rig: Rig, cache: SetupCac
     for task, message in ((failing, "exit code 3.*no such package: frobnicate"), (slow, "setup_timeout_sec")):
         env = rig.env(task, cache if cached else None, counters)
         try:
-            with pytest.raises(SandboxError, match=f"environment/setup.sh.*{message}"):
+            with pytest.raises(TaskSetupError, match=f"forkyard/reset.sh.*{message}"):
                 await env.reset()
             assert env.sandbox is None
         finally:

@@ -482,3 +482,17 @@ async def test_runs_get_harbors_internet_default_unless_the_task_says_otherwise(
     async with harness.env(probe_task(environment=environment)) as env:
         counted = await env.step("bash", {"command": "ls /sys/class/net | grep -cvx lo"})
         assert (int(counted.observation.split()[0]) > 0) == networked, counted.observation  # a link beside lo
+
+
+async def test_environment_setup_sh_is_only_the_dockerfiles_and_never_runs_at_reset(harness: Harness) -> None:
+    """In Harbor environment/setup.sh is a build-context file; a task whose Dockerfile runs it once sees one run."""
+    task = load_task_files("setup-once", {
+        "instruction.md": b"x\n",
+        "task.toml": b"[environment]\nallow_internet = false\n",
+        "environment/Dockerfile": b"FROM ubuntu:24.04\nCOPY setup.sh /opt/setup.sh\nRUN bash /opt/setup.sh\nWORKDIR /app\n",
+        "environment/setup.sh": b"#!/bin/bash\nmkdir -p /app && echo ran >> /app/runs.txt\n",
+        "tests/test.sh": b"#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n",
+    })
+    assert task.setup_script is None
+    async with harness.env(task) as env:
+        assert (await env.step("bash", {"command": "cat /app/runs.txt"})).observation.startswith("ran\n[exit")

@@ -9,7 +9,7 @@ directory with the environment the image started with (not what the agent
 exported), and the reward is read from ``/logs/verifier/reward.txt`` (a number) or
 ``/logs/verifier/reward.json`` (an object of numbers).
 
-A task with ``environment/setup.sh`` has it run at every reset, right after the
+A task with ``forkyard/reset.sh`` has it run at every reset, right after the
 sandbox starts (from the working directory, with the image's environment, bounded by
 ``[environment] setup_timeout_sec``); a failure fails the reset. With a
 :class:`~workers.setup_cache.SetupCache`, only the first reset of a (environment
@@ -50,7 +50,7 @@ from sandboxes.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
-from workers.errors import ActionError, SessionClosedError, TaskFormatError
+from workers.errors import ActionError, SessionClosedError, TaskFormatError, TaskSetupError
 from workers.runtime import StepResult
 from workers.setup_cache import SetupCacheKey
 from workers.tasks import SETUP_SCRIPT, SOLUTION_SCRIPT, TerminalTask
@@ -62,8 +62,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: Version of what a reset leaves in the sandbox; part of every setup cache key. Bump it
-#: when reset changes (other dirs, another way of running setup.sh) so old entries miss.
-TERMINAL_ENV_VERSION = "3"
+#: when reset changes (other dirs, another way of running reset.sh) so old entries miss.
+TERMINAL_ENV_VERSION = "4"
 #: Seconds a bash call may run when the agent gives no timeout.
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 #: Bytes of stdout (and, separately, stderr) an observation keeps per command.
@@ -73,8 +73,8 @@ VERIFIER_LOG_DIR = "/logs/verifier"
 AGENT_LOG_DIR = "/logs/agent"
 TESTS_DIR = "/tests"
 SOLUTION_DIR = "/solution"
-#: Where setup.sh is copied to run; removed afterwards.
-SETUP_DIR = "/setup"
+#: Where reset.sh is copied to run; removed afterwards.
+SETUP_DIR = "/forkyard-reset"
 #: The most a reward file may hold; the host never reads more of it.
 REWARD_MAX_BYTES = 64 * 1024
 #: Metadata key of the snapshot a verifier's fork is restored from (deleted right after).
@@ -90,7 +90,7 @@ _STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _SHELL_OWNED_VARS = frozenset({"_", "PWD", "OLDPWD", "SHLVL"})
 # Bytes of verifier stdout/stderr kept in info.
 _VERIFIER_OUTPUT_BYTES = 16 * 1024
-# Bytes of setup.sh output kept, and how much of it an error quotes.
+# Bytes of reset.sh output kept, and how much of it an error quotes.
 _SETUP_OUTPUT_BYTES = 16 * 1024
 _SETUP_ERROR_CHARS = 1000
 # Lists the sandbox's processes but pid 1 (the shell on local, docker-init on docker) and
@@ -182,7 +182,7 @@ class TerminalEnv:
         """Prepare an env; nothing starts before :meth:`reset`.
 
         Args:
-            setup_cache: where resets of tasks with a setup.sh keep and find their post-setup snapshot.
+            setup_cache: where resets of tasks with a reset.sh keep and find their post-setup snapshot.
             env_version: the environment's name@version; part of the setup cache key.
             counters: incremented as things happen: ``resets``, ``env_steps``, ``setup_runs``,
                 ``setup_cache_hits``, ``setup_cache_misses``, ``setup_uncacheable`` (a task whose
@@ -220,11 +220,11 @@ class TerminalEnv:
     async def reset(self) -> str:
         """Start a sandbox ready for the task (dropping any previous one) and return the instruction.
 
-        Runs ``environment/setup.sh`` if the task has one, or restores the setup cache's
+        Runs ``forkyard/reset.sh`` if the task has one, or restores the setup cache's
         snapshot of an earlier run of it.
 
         Raises:
-            SandboxError: the sandbox could not be prepared, or setup.sh failed or timed out.
+            SandboxError: the sandbox could not be prepared, or reset.sh failed or timed out.
         """
         async with self._lock:
             if self._closed:
@@ -417,7 +417,7 @@ class TerminalEnv:
         )
 
     async def _start_fresh(self) -> None:
-        """Create a sandbox from the image, prepare it and run setup.sh if the task has one."""
+        """Create a sandbox from the image, prepare it and run reset.sh if the task has one."""
         self.sandbox = await self.backend.create(self._spec())
         try:
             result = await self._housekeeping(
@@ -507,7 +507,7 @@ class TerminalEnv:
     async def _leftover_processes(self) -> list[str]:
         """Return the names (comm) of the sandbox's processes besides pid 1 and the shell.
 
-        Right after setup, these are what setup.sh left running.
+        Right after setup, these are what reset.sh left running.
 
         Raises:
             SandboxError: /proc in the sandbox does not show its shell, so nothing can be told.
@@ -533,7 +533,7 @@ class TerminalEnv:
             raise
 
     async def _run_setup(self, script: bytes) -> None:
-        """Run setup.sh from the workdir with the image's environment.
+        """Run reset.sh from the workdir with the image's environment.
 
         Raises:
             SandboxError: it exited non-zero or ran past ``[environment] setup_timeout_sec``.
@@ -549,12 +549,12 @@ class TerminalEnv:
         )
         tail = (result.stderr.strip() or result.stdout.strip())[-_SETUP_ERROR_CHARS:]
         if result.timed_out:
-            raise SandboxError(
+            raise TaskSetupError(
                 f"task {self.task.name!r}: {SETUP_SCRIPT} ran past its {timeout:g}s limit in sandbox {sandbox_id}; "
                 f"make it faster or raise [environment] setup_timeout_sec. Its output ended: {tail or '(none)'}"
             )
         if result.exit_code != 0:
-            raise SandboxError(
+            raise TaskSetupError(
                 f"task {self.task.name!r}: {SETUP_SCRIPT} failed with exit code {result.exit_code} "
                 f"in sandbox {sandbox_id}: {tail or '(no output)'}"
             )
