@@ -131,6 +131,9 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
                 if dispatcher is not None:
                     # Episodes still running stay `running` in the DB and are requeued at the next start.
                     await dispatcher.aclose()
+                gate = getattr(app.state, "step_gate", None)
+                if gate is not None:
+                    await gate.settle()  # the step records still being written
                 if rt is not None:
                     try:
                         async with sessionmaker() as db_session:

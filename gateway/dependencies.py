@@ -35,7 +35,7 @@ async def get_step_gate(request: Request) -> StepGate:
     """Return the app's record of which sessions are stepping or closing."""
     gate = getattr(request.app.state, "step_gate", None)
     if gate is None:
-        gate = request.app.state.step_gate = StepGate()
+        gate = request.app.state.step_gate = StepGate(write_behind=True)
     return gate
 
 

@@ -1,11 +1,23 @@
-"""One step at a time per session, and closes that win over the step they interrupt."""
+"""One step at a time per session, closes that win over the step they interrupt, and step records written behind.
+
+A step's row is written right after its answer, not before it: the write (a short
+transaction) cost more than the rest of the gateway's work on a step. Writes of one
+session run in order; whatever reads a session's steps (its record, its steps, a
+snapshot of it, its close, a terminal step) first waits for that session's pending ones,
+so this process always reads its own writes. A crash can lose the records of the steps
+answered in the last milliseconds, of sessions the restart then marks failed.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+import logging
+from collections.abc import Awaitable, Callable, Iterator
 
 from gateway.errors import ConflictError
+
+logger = logging.getLogger(__name__)
 
 
 class StepGate:
@@ -17,9 +29,37 @@ class StepGate:
     ``session_closed`` and the session ends ``closed``, not ``failed``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, write_behind: bool = False) -> None:
         self._stepping: set[str] = set()
         self._closing: set[str] = set()
+        self.write_behind = write_behind
+        """Whether step records are written after the answer (the app's gate) or before it."""
+        self._writes: dict[str, asyncio.Task[None]] = {}  # the latest pending write of each session
+
+    def record(self, session_id: str, write: Callable[[], Awaitable[None]]) -> None:
+        """Run ``write`` (a session step's record) after the session's earlier ones, in the background."""
+        earlier = self._writes.get(session_id)
+
+        async def in_order() -> None:
+            if earlier is not None:
+                await asyncio.wait([earlier])
+            try:
+                await write()
+            except Exception:
+                logger.exception("session %s: writing a step's record failed", session_id)
+
+        task = asyncio.ensure_future(in_order())
+        self._writes[session_id] = task
+        task.add_done_callback(lambda done: self._writes.pop(session_id, None) if self._writes.get(session_id) is done
+                               else None)
+
+    async def settle(self, session_id: str | None = None) -> None:
+        """Wait until the step records of ``session_id`` (every session's, if None) are written."""
+        pending = [self._writes[session_id]] if session_id in self._writes else []
+        if session_id is None:
+            pending = list(self._writes.values())
+        if pending:
+            await asyncio.wait(pending)
 
     @contextlib.contextmanager
     def stepping(self, session_id: str) -> Iterator[None]:

@@ -57,12 +57,14 @@ async def step_session(
 @router.get("", response_model=SessionPage)
 async def list_sessions(
     db_session: DbSession,
+    gate: Gate,
     state: SessionState | None = None,
     task_id: str | None = None,
     limit: int = Query(DEFAULT_LIMIT, ge=1, le=MAX_LIMIT),
     cursor: str | None = None,
 ):
     """List sessions, oldest first, optionally of one state or task."""
+    await gate.settle()
     rows, next_cursor = await service.list_sessions(
         db_session=db_session, state=state, task_id=task_id or None, limit=limit, cursor=cursor
     )
@@ -70,8 +72,9 @@ async def list_sessions(
 
 
 @router.get("/{session_id}", response_model=SessionRead)
-async def get_session(session_id: str, db_session: DbSession):
+async def get_session(session_id: str, db_session: DbSession, gate: Gate):
     """Return the gateway's record of one session (its steps: ``GET /v1/sessions/{id}/steps``)."""
+    await gate.settle(session_id)
     return await service.get_session(db_session=db_session, session_id=session_id)
 
 
@@ -79,10 +82,12 @@ async def get_session(session_id: str, db_session: DbSession):
 async def list_steps(
     session_id: str,
     db_session: DbSession,
+    gate: Gate,
     limit: int = Query(DEFAULT_LIMIT, ge=1, le=MAX_LIMIT),
     cursor: str | None = Query(None, pattern=r"^[0-9]{1,18}$", description="A page's ``next``: the seq to start at."),
 ):
     """Page a session's steps, oldest first: a fork's inherited steps, then its own."""
+    await gate.settle()  # a fork's inherited steps are another session's
     rows, total, following = await service.list_steps(
         db_session=db_session, session_id=session_id, start=int(cursor or 0), limit=limit
     )

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from sqlalchemy import bindparam, func, insert, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from gateway.db import new_id, utcnow
 from gateway.errors import ConflictError, NotFoundError, RateLimitedError
@@ -210,10 +210,22 @@ async def step_session(
 _SESSION = EnvSession.__table__
 _STEP_READ = select(_SESSION.c.state).where(_SESSION.c.id == bindparam("id"))
 _STEP_INSERT = insert(SessionStep.__table__)
+# Every step that ran is counted, even one a close overtook (the close waits for its record).
 _STEP_COUNT = (
-    update(_SESSION).where(_SESSION.c.id == bindparam("sid"), _SESSION.c.state == SessionState.OPEN)
+    update(_SESSION).where(_SESSION.c.id == bindparam("sid"))
     .values(steps=_SESSION.c.steps + 1).returning(_SESSION.c.steps, _SESSION.c.node)
 )
+
+
+async def _record_step(db: AsyncSession | AsyncConnection, step: dict) -> str | None:
+    """Write one step's row and count it (one short transaction, whatever the history's length); return the node."""
+    counted = (await db.execute(_STEP_COUNT, {"sid": step["session_id"]})).first()
+    if counted is None:
+        logger.warning("session %s is gone; its step was not recorded", step["session_id"])
+        return None
+    count, node = counted
+    await db.execute(_STEP_INSERT, {**step, "seq": count - 1})
+    return node
 
 
 async def _step_once(
@@ -256,22 +268,29 @@ async def _step_once(
     if result.reward is not None and not math.isfinite(result.reward):
         logger.warning("session %s: non-finite reward %r reported; answering null", session_id, result.reward)
         result = dataclasses.replace(result, reward=None)
-    # One short transaction whatever the history's length: the count, then the step's row.
-    counted = (await db_session.execute(_STEP_COUNT, {"sid": session_id})).first()
-    if counted is None:  # no longer open: a close won the race (the gate answers session_closed)
-        await db_session.rollback()
-        raise ConflictError(f"Session {session_id!r} was closed while this step ran.", code="session_closed")
-    count, node = counted
-    await db_session.execute(_STEP_INSERT, {
-        "session_id": session_id, "seq": count - 1, "tool": tool, "arguments": arguments,
-        "observation": result.observation, "reward": result.reward, "terminated": result.terminated,
-        "truncated": result.truncated, "created_at": utcnow(),
-    })
+    step = {
+        "session_id": session_id, "tool": tool, "arguments": arguments, "observation": result.observation,
+        "reward": result.reward, "terminated": result.terminated, "truncated": result.truncated,
+        "created_at": utcnow(),
+    }
+    ended = result.terminated or result.truncated
+    if gate.write_behind and not ended:
+        engine = db_session.bind
+
+        async def write() -> None:
+            async with engine.begin() as conn:
+                await _record_step(conn, step)
+
+        gate.record(session_id, write)
+        return result
+    await gate.settle(session_id)  # the earlier steps' records first, then this one's, then the end
+    node = await _record_step(db_session, step)
     await db_session.commit()
-    if result.terminated or result.truncated:
+    if ended:
         await _finish(db_session, session_id, SessionState.TERMINATED, reward=result.reward)
         await _release(runtime, session_id)
-        await _collect_snapshots(db_session, runtime, node)
+        if node is not None:
+            await _collect_snapshots(db_session, runtime, node)
         logger.info("session %s ended with reward %s (truncated=%s)", session_id, result.reward, result.truncated)
     return result
 
@@ -282,8 +301,10 @@ async def close_session(
     """Close a session and destroy its sandbox; closing an ended session again is a no-op."""
     row = await get_session(db_session=db_session, session_id=session_id)
     await db_session.commit()
-    with (gate or StepGate()).closing(session_id):
+    gate = gate or StepGate()
+    with gate.closing(session_id):
         await runtime.close_session(session_id)
+        await gate.settle(session_id)
         await _finish(db_session, session_id, SessionState.CLOSED)
     await _collect_snapshots(db_session, runtime, row.node)
     await db_session.refresh(row)

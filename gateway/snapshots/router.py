@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query, Response
 
-from gateway.dependencies import CurrentSettings, DbSession, Runtime
+from gateway.dependencies import CurrentSettings, DbSession, Gate, Runtime
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.snapshots import service
 from gateway.snapshots.models import SnapshotRecord
@@ -29,8 +29,9 @@ def _read(record: SnapshotRecord) -> SnapshotRead:
 
 
 @router.post("/sessions/{session_id}/snapshot", status_code=201, response_model=SnapshotRead)
-async def snapshot_session(session_id: str, db_session: DbSession, runtime: Runtime):
+async def snapshot_session(session_id: str, db_session: DbSession, runtime: Runtime, gate: Gate):
     """Snapshot an open session (filesystem, shell cwd and exports, history); not its background processes."""
+    await gate.settle(session_id)  # its step count and last observation are read from the records
     return _read(await service.snapshot_session(db_session=db_session, runtime=runtime, session_id=session_id))
 
 

@@ -166,3 +166,31 @@ async def test_shutdown_closes_sessions_and_restart_recovers(tmp_path):
                                                json={"action": {"tool": "bash", "arguments": {"command": "ls"}}}),
                              409, "session_closed")
         assert survivor["id"] in error["message"] or "closed" in error["message"] or "failed" in error["message"]
+
+
+async def test_step_records_are_written_behind_in_order_and_settle_waits_for_them(caplog):
+    import asyncio
+
+    from gateway.sessions.gate import StepGate
+
+    gate = StepGate(write_behind=True)
+    written: list[tuple[str, int]] = []
+
+    def write(session: str, n: int, delay: float, fail: bool = False):
+        async def run() -> None:
+            await asyncio.sleep(delay)
+            if fail:
+                raise RuntimeError("database is gone")
+            written.append((session, n))
+        return run
+
+    gate.record("a", write("a", 0, 0.05))
+    gate.record("a", write("a", 1, 0.0, fail=True))  # logged, and the next write still runs
+    gate.record("a", write("a", 2, 0.0))
+    gate.record("b", write("b", 0, 0.01))
+    await gate.settle("b")
+    assert ("b", 0) in written and ("a", 2) not in written  # b does not wait for a
+    await gate.settle()
+    assert [w for w in written if w[0] == "a"] == [("a", 0), ("a", 2)]
+    assert "writing a step's record failed" in caplog.text
+    await gate.settle("never-stepped")  # nothing pending: returns at once
