@@ -60,7 +60,10 @@ def build_runtime(settings: Settings) -> WorkerRuntime:
     if settings.setup_cache.max_bytes > 0:
         assert settings.setup_cache.dir is not None
         cache = SetupCache(backend, settings.setup_cache.dir, max_bytes=settings.setup_cache.max_bytes)
-    return WorkerRuntime(backend, image_cache_dir=settings.image_cache_dir, setup_cache=cache)
+    from workers.trust import read_ca_bundle
+
+    return WorkerRuntime(backend, image_cache_dir=settings.image_cache_dir, setup_cache=cache,
+                         ca_bundle=read_ca_bundle(settings.ca_bundle), stand_ins=settings.images.stand_ins)
 
 
 def _log_progress(line: str) -> None:

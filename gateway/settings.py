@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, Field, SecretStr, model_validator
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Where base root filesystems are built and cached unless configured otherwise.
@@ -41,6 +41,27 @@ class SetupCacheSettings(BaseModel):
     """Cap on the bytes the cached snapshots hold (``FORKYARD_SETUP_CACHE__MAX_BYTES``); 0 turns the cache off."""
     dir: Path | None = None
     """Where the cache keeps its index (``FORKYARD_SETUP_CACHE__DIR``); default: ``data_dir/setup-cache``."""
+
+
+class ImageSettings(BaseModel):
+    """How task images are found when no image registry answers (:mod:`workers.standins`)."""
+
+    stand_ins: dict[str, str] = Field(default_factory=lambda: dict(_default_stand_ins()))
+    """Image name pattern (fnmatch) -> stand-in (base, python, gcc, golang, node, rust), first match wins
+    (``FORKYARD_IMAGES__STAND_INS``, JSON); a real image this host has always wins."""
+
+    @model_validator(mode="after")
+    def _known(self) -> ImageSettings:
+        from workers.standins import check_table
+
+        check_table(self.stand_ins)
+        return self
+
+
+def _default_stand_ins() -> dict[str, str]:
+    from workers.standins import DEFAULT_STAND_INS
+
+    return dict(DEFAULT_STAND_INS)
 
 
 def _host_cpus() -> float:
@@ -103,6 +124,11 @@ class Settings(BaseSettings):
     node: str = Field(default_factory=socket.gethostname)
     """Name of this node; sandboxes and sessions are stamped with it."""
 
+    ca_bundle: Path | None = Field(
+        default=Path("/etc/ssl/certs/ca-certificates.crt"),
+        description="PEM CA bundle trusted in image builds and networked sandboxes (FORKYARD_CA_BUNDLE; "
+                    "empty: none), for registries reached through a TLS-intercepting proxy.",
+    )  # fmt: skip
     image_cache_dir: Path = Field(
         default=DEFAULT_IMAGE_CACHE_DIR,
         validation_alias=AliasChoices("FORKYARD_IMAGE_CACHE_DIR", "FORKYARD_IMAGE_CACHE"),
@@ -128,6 +154,7 @@ class Settings(BaseSettings):
     """Per-stage concurrency of rollout episodes (``FORKYARD_STAGES__SETUP`` / ``__AGENT`` / ``__VERIFY``)."""
 
     setup_cache: SetupCacheSettings = Field(default_factory=SetupCacheSettings)
+    images: ImageSettings = Field(default_factory=ImageSettings)
     """Setup cache size and place (``FORKYARD_SETUP_CACHE__MAX_BYTES`` / ``__DIR``)."""
 
     policy_hosts: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.0/8", "::1"])
@@ -139,6 +166,11 @@ class Settings(BaseSettings):
 
     egress: EgressSettings = Field(default_factory=EgressSettings)
     """Outbound network of local sandboxes that ask for one (``FORKYARD_EGRESS__TCP_PORTS`` / ``__ALLOW_NETWORKS``)."""
+
+    @field_validator("ca_bundle", mode="before")
+    @classmethod
+    def _no_bundle(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
 
     @model_validator(mode="after")
     def _check(self) -> Settings:

@@ -48,8 +48,8 @@ def create_backend(
     """Build the ``local``, ``docker`` or (``auto``) best available sandbox backend.
 
     ``isolation`` and ``runtime`` choose the local backend's tier and OCI runtime
-    (:mod:`sandboxes.oci`); ``egress_ports`` and ``egress_networks`` what its networked
-    sandboxes may reach (:mod:`sandboxes.network`).
+    (:mod:`sandboxes.oci`); ``egress_ports`` and ``egress_networks`` what networked
+    sandboxes of either backend may reach (:mod:`sandboxes.network`).
 
     Raises:
         BackendUnavailableError: the host cannot run the chosen backend.
@@ -60,20 +60,21 @@ def create_backend(
     if kind == "auto":
         kind = "docker" if docker_available(docker_url) else "local"
         logger.info("sandbox backend auto-selected: %s", kind)
+    from sandboxes.network import EgressPolicy
+
+    egress = EgressPolicy(
+        tcp_ports=tuple(egress_ports) if egress_ports is not None else (80, 443),
+        allow_networks=tuple(egress_networks),
+    )
     if kind == "local":
         from sandboxes.local import LocalBackend
-        from sandboxes.network import EgressPolicy
 
-        egress = EgressPolicy(
-            tcp_ports=tuple(egress_ports) if egress_ports is not None else (80, 443),
-            allow_networks=tuple(egress_networks),
-        )
         return LocalBackend(Path(root_dir), node, isolation=isolation, runtime=runtime, egress=egress)
     try:
         from sandboxes.docker import DockerBackend
     except ImportError as exc:
         raise BackendUnavailableError(f"The docker sandbox backend cannot be loaded: {exc}.") from exc
-    return DockerBackend(node, base_url=docker_url)
+    return DockerBackend(node, base_url=docker_url, egress=egress)
 
 
 __all__ = ["BACKEND_KINDS", "create_backend", "docker_available"]

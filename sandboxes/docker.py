@@ -35,6 +35,7 @@ Choices worth knowing:
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import dataclasses
 import errno
 import io
@@ -77,6 +78,7 @@ from sandboxes.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
+from sandboxes.network import EgressPolicy, apply_ruleset, network_problem
 from sandboxes.oci import nofile_limit
 from sandboxes.procs import (
     child_pids,
@@ -295,18 +297,29 @@ def _disk_quota_kind(client: docker.DockerClient) -> str | None:
     return None
 
 
+def _is_ipv4(text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text).version == 4
+    except ValueError:
+        return False
+
+
 class DockerBackend:
     """Run sandboxes as Docker containers, each driven through one attached persistent bash."""
 
     name = "docker"
 
-    def __init__(self, node: str, base_url: str | None = None) -> None:
+    def __init__(self, node: str, base_url: str | None = None, *, egress: EgressPolicy | None = None) -> None:
         """Connect to the engine at ``base_url`` (else DOCKER_HOST, else the local socket).
+
+        ``egress`` is what sandboxes with ``network=True`` may reach (:mod:`sandboxes.network`):
+        its nftables table goes into each such container's namespace from the host.
 
         Raises:
             BackendUnavailableError: no Docker engine answers there.
         """
         self.node = node
+        self.egress = egress or EgressPolicy()
         self.base_url = base_url or os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_URL
         client = None
         try:
@@ -591,13 +604,38 @@ class DockerBackend:
         sbx = _Sandbox(id=container.id, env=dict(spec.env))
         try:
             await self._start(sbx)
+            attrs = await self._inspect(sbx.id)
+            if spec.network and not spec.network_of:
+                await self._filter_egress(attrs)
         except BaseException:
             await self._remove(container.id)
             raise
         self._sandboxes[sbx.id] = sbx
-        attrs = await self._inspect(sbx.id)
         logger.info("created docker sandbox %s from %s on node %s", sbx.id[:12], spec.image, self.node)
         return self._info(attrs)
+
+    async def _filter_egress(self, attrs: dict[str, Any]) -> None:
+        """Install the egress table in a networked container's namespace; refuse the sandbox if it cannot be.
+
+        Docker's bridge alone lets a container reach every address of the host (a service
+        bound to 0.0.0.0) and the host's private neighbours.
+        """
+        pid = int((attrs.get("State") or {}).get("Pid") or 0)
+        problem = network_problem()
+        if not self._host_proc or pid <= 0 or problem:
+            raise SandboxError(
+                "a docker sandbox with network needs its egress rules installed from this host "
+                f"({problem or 'the engine runs elsewhere'}); refusing to start it unfiltered"
+            )
+        try:
+            with open(attrs.get("ResolvConfPath") or "/nonexistent") as fh:
+                servers = [ln.split()[1] for ln in fh if ln.startswith("nameserver") and len(ln.split()) > 1]
+        except OSError:
+            servers = []
+        servers = [a for a in servers if _is_ipv4(a)]
+        gateway = ((attrs.get("NetworkSettings") or {}).get("Gateway")) or None
+        ruleset = self.egress.ruleset(dns_servers=servers, gateway=gateway)
+        await asyncio.to_thread(apply_ruleset, pid, ruleset)
 
     async def _disk_limit_mb(self, image: str, disk_mb: int) -> int:
         """Return the engine's ``size`` for ``disk_mb`` of writes: btrfs and zfs count the image too."""

@@ -1,4 +1,4 @@
-"""Outbound network for local sandboxes that ask for one: user-mode, filtered, never the host's loopback.
+"""Outbound network for sandboxes that ask for one: filtered, never the host (its loopback or its addresses).
 
 A local sandbox always has a network namespace of its own. With ``network=True`` it
 also gets a ``tap0`` device served by ``slirp4netns`` (from Debian): the sandbox's
@@ -6,9 +6,11 @@ packets become ordinary sockets of a host process, so they leave through the hos
 routing, and ``--disable-host-loopback`` keeps them off the host's 127.0.0.1 (the
 gateway's API, the databases). An nftables table inside the sandbox's namespace then
 allows only what :class:`EgressPolicy` names (by default: DNS through slirp's resolver,
-TCP 80 and 443 to public addresses, which is how package registries are reached). The
-sandbox cannot change that table: its root has no ``CAP_NET_ADMIN``, and seccomp
-refuses new namespaces.
+TCP 80 and 443 to public addresses, which is how package registries are reached; never
+the host's own addresses, whatever the port). The sandbox cannot change that table: its
+root has no ``CAP_NET_ADMIN``, and seccomp refuses new namespaces. A networked docker
+sandbox gets the same table in its container's namespace, its DNS being the container's
+resolvers.
 """
 
 from __future__ import annotations
@@ -60,9 +62,14 @@ class EgressPolicy:
         for net in (*self.allow_networks, *self.extra_denied):
             ipaddress.ip_network(net, strict=False)  # raises ValueError naming it
 
-    def ruleset(self) -> str:
-        """Return the nftables ruleset of the sandbox's namespace."""
-        denied = [*ALWAYS_DENIED, SLIRP_GATEWAY, *self.extra_denied]
+    def ruleset(self, *, dns_servers: Sequence[str] = (SLIRP_DNS,), gateway: str | None = SLIRP_GATEWAY) -> str:
+        """Return the nftables ruleset of the sandbox's namespace.
+
+        Args:
+            dns_servers: the resolvers the sandbox may ask (slirp's; a docker container's own).
+            gateway: the host's side of the sandbox's link, never reachable (slirp's 10.0.2.2).
+        """
+        denied = [*ALWAYS_DENIED, *([gateway] if gateway else []), *host_addresses(), *self.extra_denied]
         private = list(PRIVATE_NETWORKS)
         allowed = [str(ipaddress.ip_network(n, strict=False)) for n in self.allow_networks]
         lines = [
@@ -72,8 +79,9 @@ class EgressPolicy:
             '    oif "lo" accept',
             "    ct state established,related accept",
         ]
-        if self.dns:
-            lines += [f"    ip daddr {SLIRP_DNS} udp dport 53 accept", f"    ip daddr {SLIRP_DNS} tcp dport 53 accept"]
+        if self.dns and dns_servers:
+            servers = ", ".join(str(ipaddress.ip_address(a)) for a in dns_servers)
+            lines += [f"    ip daddr {{ {servers} }} udp dport 53 accept", f"    ip daddr {{ {servers} }} tcp dport 53 accept"]
         lines.append(f"    ip daddr {{ {', '.join(denied)} }} drop")
         ports = ", ".join(str(int(p)) for p in self.tcp_ports)
         if ports:
@@ -83,6 +91,29 @@ class EgressPolicy:
             lines.append(f"    meta nfproto ipv4 tcp dport {{ {ports} }} accept")
         lines += ["  }", "}"]
         return "\n".join(lines) + "\n"
+
+
+def host_addresses() -> list[str]:
+    """Return this host's own IPv4 addresses (a sandbox must not reach a host service on any of them).
+
+    A service bound to 0.0.0.0 answers on the host's public address too, which no
+    private-range rule covers; the host's addresses are denied whatever the port.
+    """
+    proc = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, timeout=10,
+                          check=False)
+    found = []
+    for line in proc.stdout.splitlines():
+        parts = line.split()
+        if "inet" in parts:
+            address = parts[parts.index("inet") + 1].split("/")[0]
+            if not ipaddress.ip_address(address).is_loopback:
+                found.append(address)
+    return found
+
+
+def apply_ruleset(pid: int, ruleset: str) -> None:
+    """Install ``ruleset`` in process ``pid``'s network namespace (from the host; blocking)."""
+    _apply_ruleset(pid, ruleset)
 
 
 def network_problem() -> str | None:
@@ -194,4 +225,5 @@ async def start_network(pid: int, policy: EgressPolicy) -> SandboxNetwork:
     return await asyncio.to_thread(SandboxNetwork.start, pid, policy)
 
 
-__all__ = ["EgressPolicy", "SandboxNetwork", "list_ruleset", "network_problem", "start_network"]
+__all__ = ["EgressPolicy", "SandboxNetwork", "apply_ruleset", "host_addresses", "list_ruleset", "network_problem",
+           "start_network"]

@@ -1,10 +1,11 @@
-"""Build a task's ``environment/Dockerfile`` on any sandbox backend, offline.
+"""Build a task's ``environment/Dockerfile`` on any sandbox backend, with no image registry.
 
-No registry is reachable, so ``FROM`` must name an image the backend already has: the
-base image (directly or through an alias such as ``ubuntu:24.04``) or another local
-image. The build runs in a sandbox made from that image: ``RUN`` goes through the
-sandbox's persistent shell (as the current ``USER``, in the current ``WORKDIR``, with
-exactly the current ``ENV`` and ``ARG`` values, no network), ``COPY``/``ADD`` write the
+No image registry is reachable, so ``FROM`` must name an image the backend already has:
+a real local image, else a stand-in (an alias such as ``ubuntu:24.04`` of the base image).
+The build runs in a sandbox made from that image: ``RUN`` goes through the sandbox's
+persistent shell (as the current ``USER``, in the current ``WORKDIR``, with exactly the
+current ``ENV`` and ``ARG`` values, and outbound network under the sandbox's egress rules,
+trusting the host's CA bundle: :mod:`workers.trust`), ``COPY``/``ADD`` write the
 build context in as one tar archive, and the result is committed as
 ``forkyard/env:<16 hex>``, a digest of the Dockerfile, the context, the build arguments
 and the ``FROM`` image, so the same task is built once per backend.
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 
 from sandboxes.base import ExecResult, ImageConfig, Resources, SandboxBackend, SandboxSpec
 from workers.errors import ImageBuildError
+from workers.trust import CA_BUNDLE_PATH, ca_env
 
 logger = logging.getLogger(__name__)
 
@@ -634,7 +636,8 @@ def _compile_run(ins: Instruction, state: _State) -> RunStep:
     flags, rest = parse_flags(ins.args)
     for name, value in flags.items():
         if name == "network":
-            logger.info("Dockerfile line %d: RUN --network=%s ignored: builds have no network", ins.line, value)
+            logger.info("Dockerfile line %d: RUN --network=%s ignored: every RUN has the build's network",
+                        ins.line, value)
         elif name == "mount":
             if "type=cache" not in (value or "") and "type=tmpfs" not in (value or ""):
                 raise ValueError(f"--mount={value} is not supported (only type=cache and type=tmpfs, which are ignored)")
@@ -690,9 +693,9 @@ def _compile_copy(ins: Instruction, state: _State, files: Mapping[str, bytes]) -
     copied_dir = False
     for source in sources:
         if ins.op == "ADD" and re.match(r"^[a-z][a-z0-9+.-]*://", source, re.I):
-            raise ValueError(f"cannot fetch {source}: ADD of URLs needs the network, which builds do not have")
+            raise ValueError(f"cannot fetch {source}: ADD of URLs is not supported; RUN curl (builds have network)")
         if ins.op == "ADD" and source.startswith("git@"):
-            raise ValueError(f"cannot clone {source}: builds have no network")
+            raise ValueError(f"cannot clone {source}: ADD of git repositories is not supported; RUN git clone")
         matches = _match_source(source, files)
         if not matches:
             raise ValueError(f"no files in the build context match {source!r}")
@@ -834,6 +837,8 @@ async def build_task_image(
     labels: Mapping[str, str] | None = None,
     run_timeout_s: float = DEFAULT_RUN_TIMEOUT_S,
     resources: Resources = BUILD_RESOURCES,
+    network: bool = True,
+    ca_bundle: bytes | None = None,
 ) -> str:
     """Build ``dockerfile`` with ``context`` on ``backend`` once; return the image ref.
 
@@ -844,6 +849,9 @@ async def build_task_image(
         base_config: the base image's config; defaults to the one
             :mod:`sandboxes.images` imports it with. Other FROM images are probed.
         labels: added to the build sandbox's labels (an owner label keeps reapers off).
+        network: give RUN outbound network (the sandbox's egress rules: never the host or
+            private networks), so ``apt-get install`` and ``pip install`` reach the registries.
+        ca_bundle: PEM certificates RUN trusts (:mod:`workers.trust`); not kept in the image.
 
     Raises:
         ImageBuildError: (a :class:`DockerfileError` naming the line) for an unsupported
@@ -855,11 +863,10 @@ async def build_task_image(
     from_ref = stage.from_image if await backend.has_image(stage.from_image) else None
     from_ref = from_ref or resolve_alias(stage.from_image, aliases, base_image)
     if from_ref is None:
-        known = ", ".join(sorted(aliases)[:8])
         raise DockerfileError(
             stage.from_line,
-            f"FROM {stage.from_image}: no such local image and no registry is reachable; "
-            f"use the base image or an alias ({known}, ...)",
+            f"FROM {stage.from_image}: no such local image and no registry is reachable; import it, or map it "
+            "to a stand-in (FORKYARD_IMAGES__STAND_INS: base, python, gcc, golang, node, rust)",
         )
     if not await backend.has_image(from_ref):
         hint = " (import it first: forkyard images build base)" if from_ref == base_image else ""
@@ -879,7 +886,7 @@ async def build_task_image(
             if await backend.has_image(ref):
                 _emit(progress, f"using cached {ref}")
                 return ref
-            await _Build(backend, stage, from_ref, ref, progress, run_timeout_s).run(
+            await _Build(backend, stage, from_ref, ref, progress, run_timeout_s, network, ca_bundle).run(
                 context=context,
                 build_args=build_args or {},
                 config=_base_config(base_config) if from_ref == base_image else None,
@@ -929,6 +936,8 @@ class _Build:
     ref: str
     progress: Callable[[str], None] | None
     run_timeout_s: float
+    network: bool = True
+    ca_bundle: bytes | None = None
     sandbox_id: str = ""
     shell_uid: int = 0
 
@@ -946,11 +955,13 @@ class _Build:
             compiled = compile_stage(self.stage, config=config, context=context, build_args=build_args)
         _emit(self.progress, f"building {self.ref} from {self.from_ref}")
         info = await self.backend.create(
-            SandboxSpec(image=self.from_ref, resources=resources, network=False, labels=dict(labels))
+            SandboxSpec(image=self.from_ref, resources=resources, network=self.network, labels=dict(labels))
         )
         self.sandbox_id = info.id
         try:
             self.shell_uid = int((await self._sh("id -u", "probe")).strip())
+            if self.ca_bundle is not None and self.network:
+                await self.backend.write_file(self.sandbox_id, CA_BUNDLE_PATH, self.ca_bundle, mode=0o644)
             if compiled is None:
                 config = await self._probe_config()
                 compiled = compile_stage(self.stage, config=config, context=context, build_args=build_args)
@@ -969,6 +980,9 @@ class _Build:
                     await self._copy(step)
                 elif isinstance(step, ExtractStep):
                     await self._extract(step)
+            if self.ca_bundle is not None and self.network:
+                await self._sh(f"rm -f {CA_BUNDLE_PATH}; rmdir {posixpath.dirname(CA_BUNDLE_PATH)} 2>/dev/null; true",
+                               "removing the host's CA bundle")
             _emit(self.progress, f"committing {self.ref}")
             await self.backend.commit(self.sandbox_id, self.ref, final)
         finally:
@@ -1027,6 +1041,9 @@ class _Build:
         user = await self._user(step.user, step.line)
         env = dict(step.env)
         env.setdefault("HOME", user.home)
+        if self.ca_bundle is not None and self.network:
+            for name, value in ca_env().items():
+                env.setdefault(name, value)
         inner = [
             "env", "-i", *(f"{k}={v}" for k, v in env.items()),
             "/bin/sh", "-c", 'cd -- "$1" || exit 1; shift; exec "$@"', "forkyard-run", step.workdir,

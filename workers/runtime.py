@@ -21,6 +21,7 @@ from workers.errors import (
     SessionClosedError,
     SessionNotFoundError,
 )
+from workers.standins import stand_in_for, stand_in_image
 
 if TYPE_CHECKING:
     from sandboxes.snapshots import Snapshot
@@ -91,13 +92,17 @@ class WorkerRuntime:
         backend: SandboxBackend,
         *,
         image_cache_dir: Path,
-        aliases: Mapping[str, str] | None = None,
+        stand_ins: Mapping[str, str] | None = None,
         base_image: str | None = None,
         setup_cache: SetupCache | None = None,
+        ca_bundle: bytes | None = None,
     ) -> None:
         self.backend = backend
+        self.ca_bundle = ca_bundle
+        """The host's CA certificates, trusted in builds and networked sandboxes (:mod:`workers.trust`)."""
         self.image_cache_dir = Path(image_cache_dir)
-        self.aliases = aliases
+        self.stand_ins = stand_ins
+        """Image name patterns to stand-ins (:mod:`workers.standins`); None: the default table."""
         self.base_image = base_image
         self.setup_cache = setup_cache
         """Post-setup snapshots of tasks with a reset.sh, shared by every env this runtime makes."""
@@ -122,21 +127,26 @@ class WorkerRuntime:
             await self.setup_cache.load()
 
     async def task_image(self, task: TerminalTask, *, progress: Callable[[str], None] | None = None) -> str:
-        """Return the image a task's sandboxes start from, building it on first use."""
+        """Return the image a task's sandboxes start from, building it (and its FROM's stand-in) on first use.
+
+        A real image this host has wins; else the image's stand-in (:mod:`workers.standins`);
+        else, for a ``docker_image`` no stand-in covers, the task's own Dockerfile, as
+        Harbor's ``--force-build`` does (every TB2 task names a prebuilt image).
+        """
         if self.base_image is None:
             await self.start(progress=progress)
         assert self.base_image is not None
         dockerfile = task.files.get("environment/Dockerfile")
         if task.docker_image:
-            # The real image when this host has it, else its stand-in; else, as Harbor's
-            # --force-build does, the task's own Dockerfile (every TB2 task names a prebuilt image).
-            for image in (task.docker_image, self._aliases().get(task.docker_image)):
-                if image and await self.backend.has_image(image):
-                    return image
+            if await self.backend.has_image(task.docker_image):
+                return task.docker_image
+            stand_in = stand_in_for(task.docker_image, self.stand_ins)
+            if stand_in is not None:
+                return await self._stand_in(stand_in, progress)
             if dockerfile is None:
                 raise ImageBuildError(
-                    f"task {task.name!r}: docker_image {task.docker_image!r} is not available locally "
-                    "and the task ships no environment/Dockerfile to build instead"
+                    f"task {task.name!r}: docker_image {task.docker_image!r} is not available locally, no stand-in "
+                    "covers it (FORKYARD_IMAGES__STAND_INS) and the task ships no environment/Dockerfile to build"
                 )
             logger.warning("task %s: docker_image %s is not available locally; building environment/Dockerfile "
                            "instead", task.name, task.docker_image)
@@ -147,26 +157,35 @@ class WorkerRuntime:
             for path, data in task.files.items()
             if path.startswith("environment/")
         }
-        from workers.dockerfile import build_task_image
+        from workers.dockerfile import build_task_image, parse_dockerfile, parse_stage
 
+        text = dockerfile.decode("utf-8", errors="replace")
+        aliases: dict[str, str] = {}
+        try:
+            from_image = parse_stage(parse_dockerfile(text), {}).from_image
+        except ImageBuildError:
+            from_image = None  # build_task_image reports it with its line
+        if from_image and not await self.backend.has_image(from_image):
+            stand_in = stand_in_for(from_image, self.stand_ins)
+            if stand_in is not None:
+                aliases[from_image] = await self._stand_in(stand_in, progress)
         # Concurrent sessions of one task share one build.
         lock = self._build_locks.setdefault(task.content_hash, asyncio.Lock())
         async with lock:
             return await build_task_image(
                 self.backend,
-                dockerfile=dockerfile.decode("utf-8", errors="replace"),
+                dockerfile=text,
                 context=context,
                 base_image=self.base_image,
-                aliases=self._aliases(),
+                aliases=aliases,
                 progress=progress,
+                ca_bundle=self.ca_bundle,
             )
 
-    def _aliases(self) -> Mapping[str, str]:
-        from workers.dockerfile import DEFAULT_ALIASES
-
+    async def _stand_in(self, stand_in: str, progress: Callable[[str], None] | None) -> str:
         assert self.base_image is not None
-        table = dict(self.aliases) if self.aliases is not None else dict(DEFAULT_ALIASES)
-        return {name: (self.base_image if target == "base" else target) for name, target in table.items()}
+        return await stand_in_image(self.backend, stand_in, base_image=self.base_image, ca_bundle=self.ca_bundle,
+                                    progress=progress)
 
     def new_env(
         self, task: TerminalTask, *, image: str, labels: Mapping[str, str], env_version: str = ""
@@ -182,6 +201,7 @@ class WorkerRuntime:
             setup_cache=self.setup_cache,
             env_version=env_version,
             counters=self.counters,
+            ca_bundle=self.ca_bundle,
         )
 
     async def open_session(

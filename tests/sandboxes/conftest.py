@@ -125,11 +125,15 @@ async def backend(request, created, backend_root, node_name):
         yield ready
 
 
-async def fresh_backend(kind: str, created: list[str], backend_root: Path, node_name: str):
-    """Yield a backend of ``kind`` (``local``, ``local-gvisor``, ``docker``); check and clean up after."""
+async def fresh_backend(kind: str, created: list[str], backend_root: Path, node_name: str, **options):
+    """Yield a backend of ``kind`` (``local``, ``local-gvisor``, ``docker``); check and clean up after.
+
+    ``options`` go to :func:`create_backend` (``egress_ports``...).
+    """
     kind, _, tier = kind.partition("-")
     backend = create_backend(
-        kind, node=f"{node_name}-{uuid.uuid4().hex[:6]}", root_dir=backend_root, isolation=tier or "standard"
+        kind, node=f"{node_name}-{uuid.uuid4().hex[:6]}", root_dir=backend_root, isolation=tier or "standard",
+        **options,
     )
     real_create = backend.create
 

@@ -21,7 +21,7 @@ import pytest
 
 from sandboxes.base import Resources, SandboxSpec
 from sandboxes.oci import NOFILE_LIMIT, UID_BASE
-from tests.sandboxes.conftest import BASE_REF
+from tests.sandboxes.conftest import BACKENDS, BASE_REF, GVISOR, fresh_backend
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -260,6 +260,42 @@ async def test_host_loopback_is_unreachable(backend, still_serving, network):
         assert "host-secret" not in r.stdout and "refused" in r.stdout, r
         assert seen == []
     await still_serving()
+
+
+@pytest.mark.parametrize("kind", [*BACKENDS, GVISOR])
+async def test_host_services_on_its_own_addresses_are_unreachable_even_on_an_allowed_port(
+    kind, created, backend_root, node_name
+):
+    """A host service bound to 0.0.0.0 answers on the host's public address too; no sandbox may reach it."""
+    host_ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True, check=True).stdout.split()[0]
+    seen: list[str] = []
+
+    async def handle(reader, writer):
+        seen.append("connected")
+        writer.write(b"host-secret\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "0.0.0.0", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        # The port is one the egress policy allows: only the host-address rule stands in the way.
+        async for backend in fresh_backend(kind, created, backend_root, node_name, egress_ports=[port, 443]):
+            info = await backend.create(SandboxSpec(image=BASE_REF, network=True))
+            probe = py(
+                "import socket\n"
+                f"for host in ('{host_ip}', '172.17.0.1'):\n"
+                "    try:\n"
+                f"        s = socket.create_connection((host, {port}), timeout=3); print(host, s.recv(64))\n"
+                "    except OSError as exc:\n"
+                "        print(host, 'refused', exc)"
+            )
+            r = await run(backend, info.id, probe)
+            assert "host-secret" not in r.stdout and r.stdout.count("refused") == 2, r
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert seen == []
 
 
 # ----------------------------------------------------------------------- resources

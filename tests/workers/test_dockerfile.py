@@ -476,7 +476,10 @@ async def test_failing_run_names_the_line_and_keeps_nothing(build_backend):
     assert await backend.list() == []  # the build sandbox was destroyed
 
 
-async def test_run_has_no_network_and_unknown_users_fail(build_backend):
+async def test_run_has_network_but_never_the_host_and_unknown_users_fail(build_backend):
+    import socket
+    import subprocess
+
     backend, base = build_backend.backend, build_backend.base
     with pytest.raises(DockerfileError) as info:
         await build_task_image(
@@ -486,14 +489,21 @@ async def test_run_has_no_network_and_unknown_users_fail(build_backend):
             base_image=base,
         )
     assert info.value.line == 3 and "nobody-here" in str(info.value)
-    probe = (
-        "import socket\n"
-        "s = socket.socket(); s.settimeout(3)\n"
-        "try:\n    s.connect(('1.1.1.1', 80)); print('online')\nexcept OSError: print('offline')\n"
-    )
-    dockerfile = "FROM base\nCOPY probe.py /\nRUN test \"$(python3 /probe.py)\" = offline\n"
-    ref = await build_task_image(backend, dockerfile=dockerfile, context={"probe.py": probe.encode()}, base_image=base)
-    await backend.remove_image(ref)
+    host_ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True, check=True).stdout.split()[0]
+    with socket.create_server(("0.0.0.0", 0)) as server:  # the host's own services: never reachable
+        port = server.getsockname()[1]
+        probe = (
+            "import socket, sys\n"
+            "s = socket.socket(); s.settimeout(3)\n"
+            "try:\n    s.connect((sys.argv[1], int(sys.argv[2]))); print('reached')\nexcept OSError: print('refused')\n"
+        )
+        for network in (True, False):
+            dockerfile = (f"FROM base\nCOPY probe.py /\nRUN test \"$(python3 /probe.py 127.0.0.1 {port})\" = refused\n"
+                          f"RUN test \"$(python3 /probe.py {host_ip} {port})\" = refused\n"
+                          f"RUN getent hosts deb.debian.org {'' if network else '&& false || true'}\n")
+            ref = await build_task_image(backend, dockerfile=dockerfile, context={"probe.py": probe.encode()},
+                                         base_image=base, network=network)
+            await backend.remove_image(ref)
     assert await backend.list() == []
 
 

@@ -20,6 +20,7 @@ from tests.conftest import base_image
 from workers.errors import ImageBuildError
 from workers.runtime import WorkerRuntime
 from workers.tasks import load_task_files
+from workers.trust import SYSTEM_CA_BUNDLE, read_ca_bundle
 
 
 @pytest.fixture(scope="module", params=[pytest.param("local", marks=pytest.mark.local),
@@ -27,7 +28,9 @@ from workers.tasks import load_task_files
 async def runtime(request):
     root = Path(tempfile.mkdtemp(prefix="forkyard-images-"))
     backend = create_backend(request.param, node=f"test-images-{uuid.uuid4().hex[:8]}", root_dir=root)
-    rt = WorkerRuntime(backend, image_cache_dir=Path("/var/cache/forkyard/images"), base_image=await base_image(backend))
+    # The host's CA bundle, as the gateway passes it: this machine reaches the registries through a TLS proxy.
+    rt = WorkerRuntime(backend, image_cache_dir=Path("/var/cache/forkyard/images"), base_image=await base_image(backend),
+                       ca_bundle=read_ca_bundle(SYSTEM_CA_BUNDLE))
     try:
         yield rt
     finally:
@@ -84,3 +87,26 @@ async def test_a_real_local_image_wins_over_its_stand_in(runtime):
             await runtime.backend.remove_image(built)
     stand_in = await runtime.task_image(task("", f"FROM {real}\nRUN ls /marker-real || echo none > /m\n".encode()))
     assert await read(runtime, stand_in, "cat /m") == "none\n"  # without the real one, the stand-in again
+
+
+async def test_the_python_stand_in_behaves_like_the_official_image(runtime):
+    """python:* has python, pip installing system-wide (PIP_BREAK_SYSTEM_PACKAGES) and venv, as the real image."""
+    dockerfile = (b"FROM python:3.13-slim-bookworm\n"
+                  b"RUN pip install --quiet --no-deps six==1.16.0 && python -m venv /opt/venv\n")
+    image = await runtime.task_image(task("", dockerfile))
+    out = await read(runtime, image, 'python -c "import six; print(six.__version__)"; /opt/venv/bin/python -V; '
+                                     "echo $PIP_BREAK_SYSTEM_PACKAGES")
+    lines = out.split("\n")
+    assert lines[0] == "1.16.0" and lines[1].startswith("Python 3.") and lines[2] == "1", out
+
+
+async def test_a_toolchain_stand_in_and_an_unmapped_image(runtime):
+    image = await runtime.task_image(task("", b"FROM gcc:13\nRUN printf 'int main(){return 7;}' > /m.c && gcc -o /m /m.c\n"))
+    assert await read(runtime, image, "/m; echo $?") == "7\n"
+    with pytest.raises(ImageBuildError, match="no such local image"):
+        await runtime.task_image(task("", b"FROM quay.io/someone/private:1\nRUN true\n"))
+    runtime.stand_ins = {"quay.io/someone/*": "base"}  # the table is the operator's
+    try:
+        assert await runtime.task_image(task("", b"FROM quay.io/someone/private:1\nRUN true\n"))
+    finally:
+        runtime.stand_ins = None

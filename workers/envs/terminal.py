@@ -54,6 +54,7 @@ from workers.errors import ActionError, SessionClosedError, TaskFormatError, Tas
 from workers.runtime import StepResult
 from workers.setup_cache import SetupCacheKey
 from workers.tasks import SETUP_SCRIPT, SOLUTION_SCRIPT, TerminalTask
+from workers.trust import CA_BUNDLE_PATH, ca_env
 
 if TYPE_CHECKING:
     from sandboxes.snapshots import Snapshot
@@ -178,6 +179,7 @@ class TerminalEnv:
         setup_cache: SetupCache | None = None,
         env_version: str = "",
         counters: collections.Counter[str] | None = None,
+        ca_bundle: bytes | None = None,
     ) -> None:
         """Prepare an env; nothing starts before :meth:`reset`.
 
@@ -187,8 +189,11 @@ class TerminalEnv:
             counters: incremented as things happen: ``resets``, ``env_steps``, ``setup_runs``,
                 ``setup_cache_hits``, ``setup_cache_misses``, ``setup_uncacheable`` (a task whose
                 setup left processes running, once per cache key).
+            ca_bundle: the host's CA certificates, which a networked task's sandbox trusts
+                (:mod:`workers.trust`).
         """
         self.task = task
+        self.ca_bundle = ca_bundle if task.network else None
         self.backend = backend
         self.image = image
         self.labels = dict(labels or {})
@@ -413,6 +418,7 @@ class TerminalEnv:
             image=self.image,
             resources=Resources(cpus=self.task.cpus, memory_mb=self.task.memory_mb, disk_mb=self.task.disk_mb),
             network=self.task.network,
+            env=ca_env() if self.ca_bundle is not None else {},
             labels=self.labels,
         )
 
@@ -420,6 +426,8 @@ class TerminalEnv:
         """Create a sandbox from the image, prepare it and run reset.sh if the task has one."""
         self.sandbox = await self.backend.create(self._spec())
         try:
+            if self.ca_bundle is not None:
+                await self.backend.write_file(self.sandbox.id, CA_BUNDLE_PATH, self.ca_bundle, mode=0o644)
             result = await self._housekeeping(
                 f"mkdir -p {VERIFIER_LOG_DIR} {AGENT_LOG_DIR} && pwd", what="prepare the sandbox"
             )
