@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 from pathlib import Path
 from typing import Literal
@@ -92,6 +93,37 @@ class EgressSettings(BaseModel):
     """Private networks (CIDR) allowed on those ports too (``FORKYARD_EGRESS__ALLOW_NETWORKS``); loopback never."""
 
 
+#: The file in the data dir that holds the node's name.
+NODE_FILE = "node"
+
+
+def node_identity(data_dir: Path) -> str:
+    """Return this data dir's node name, making one (``<host>-<6 hex>``) and keeping it on first use.
+
+    A data dir that already holds a database from before node files existed keeps the
+    host name it was running under, so its sandboxes are still its own after an upgrade.
+    """
+    path = data_dir / NODE_FILE
+    try:
+        name = path.read_text().strip()
+        if name:
+            return name
+    except FileNotFoundError:
+        pass
+    legacy = (data_dir / "forkyard.db").exists()
+    name = socket.gethostname() if legacy else f"{socket.gethostname()}-{secrets.token_hex(3)}"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{NODE_FILE}.{secrets.token_hex(4)}")
+    tmp.write_text(name + "\n")
+    try:
+        os.link(tmp, path)  # first writer wins when two processes start at once
+    except FileExistsError:
+        name = path.read_text().strip() or name
+    finally:
+        tmp.unlink(missing_ok=True)
+    return name
+
+
 class Settings(BaseSettings):
     """Everything the gateway and ``forkyard up`` need; built by the caller, never at import."""
 
@@ -121,8 +153,10 @@ class Settings(BaseSettings):
     runtime: Literal["crun", "runc", "runsc"] | None = None
     """Insist on this OCI runtime for local sandboxes; default: the tier's first one installed."""
 
-    node: str = Field(default_factory=socket.gethostname)
-    """Name of this node; sandboxes and sessions are stamped with it."""
+    node: str = Field(default="", max_length=200)
+    """Name of this node; sandboxes and sessions are stamped with it, and a start reaps only its own
+    (``FORKYARD_NODE``). Default: a name made once per data dir (the host name and a random suffix) and
+    kept in ``data_dir/node``, so two gateways sharing a Docker engine never reap each other's sandboxes."""
 
     ca_bundle: Path | None = Field(
         default=Path("/etc/ssl/certs/ca-certificates.crt"),
@@ -180,6 +214,8 @@ class Settings(BaseSettings):
         if self.setup_cache.dir is None:
             self.setup_cache.dir = self.data_dir / "setup-cache"
         self.setup_cache.dir = self.setup_cache.dir.expanduser().absolute()
+        if not self.node:
+            self.node = node_identity(self.data_dir)
         if self.database_url is None:
             self.database_url = f"sqlite:///{self.data_dir / 'forkyard.db'}"
         if self.bootstrap_api_key is not None:

@@ -47,8 +47,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def run_gateway(backend: str, data_dir: Path, *, node: str, timeout_s: float = 300) -> Iterator[LiveGateway]:
-    """Start `forkyard up` with ``backend``, yield once it prints its URL and key, stop it after."""
+def run_gateway(backend: str, data_dir: Path, *, node: str | None, timeout_s: float = 300) -> Iterator[LiveGateway]:
+    """Start `forkyard up` with ``backend``, yield once it prints its URL and key, stop it after.
+
+    ``node`` None leaves FORKYARD_NODE unset: the gateway names itself (``data_dir/node``).
+    """
     port = free_port()
     log = data_dir / "up.log"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +60,8 @@ def run_gateway(backend: str, data_dir: Path, *, node: str, timeout_s: float = 3
             [str(FORKYARD), "up", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir),
              "--backend", backend],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-            env={**os.environ, "FORKYARD_NODE": node},
+            env={**{k: v for k, v in os.environ.items() if k != "FORKYARD_NODE"},
+                 **({"FORKYARD_NODE": node} if node is not None else {})},
         )
     try:
         url = key = None
@@ -73,6 +77,8 @@ def run_gateway(backend: str, data_dir: Path, *, node: str, timeout_s: float = 3
             time.sleep(0.2)
         if url is None or key is None:
             raise RuntimeError(f"forkyard up did not get ready in {timeout_s}s:\n{log.read_text()[-4000:]}")
+        if node is None:
+            node = (data_dir / "node").read_text().strip()
         yield LiveGateway(url=url, api_key=key, backend=backend, node=node, data_dir=data_dir, log=log, process=proc)
     finally:
         if proc.poll() is None:

@@ -154,3 +154,24 @@ def test_restart_frees_session_snapshots_nothing_holds_and_keeps_pinned_ones(bac
             client.snapshots.unpin(pinned.id)
     assert leftover_sandboxes(backend, node, tmp_path) == []
     assert {k: v for k, v in leftover_storage(backend, node, tmp_path).items() if v} == {}
+
+
+def test_two_gateways_on_one_docker_engine_never_reap_each_others_sandboxes(tmp_path):
+    """Neither sets FORKYARD_NODE: each names itself once per data dir, and a start reaps only its own."""
+    with run_gateway("docker", tmp_path / "a", node=None) as a, \
+            forkyard.Client(base_url=a.url, api_key=a.api_key) as client_a:
+        task = client_a.tasks.import_specs([ECHO_TASK])[0]
+        with client_a.sessions.create(task.id) as session:
+            session.step("bash", command="echo kept > /root/mine")
+            snapshot = session.snapshot()
+            with run_gateway("docker", tmp_path / "b", node=None) as b:
+                assert b.node != a.node and a.node.startswith(__import__("socket").gethostname())
+                assert leftover_sandboxes("docker", a.node, tmp_path / "a")  # a's sandbox survived b's start
+                assert "kept" in session.step("bash", command="cat /root/mine").observation
+                with client_a.snapshots.fork(snapshot.id, 1) as (fork,):  # and its snapshot too
+                    assert "kept" in fork.step("bash", command="cat /root/mine").observation
+            client_a.snapshots.delete(snapshot.id)
+    # Restarted on its data dir, a gateway is the same node as before.
+    with run_gateway("docker", tmp_path / "a", node=None) as again:
+        assert again.node == a.node
+    assert leftover_sandboxes("docker", a.node, tmp_path / "a") == []
