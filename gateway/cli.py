@@ -183,6 +183,51 @@ async def _build_base(settings: Settings, kinds: Sequence[str]) -> int:
     return 0
 
 
+def cmd_images_prune(args: argparse.Namespace) -> int:
+    """Remove the built task and stand-in images (``forkyard/env``) no sandbox uses; they rebuild on demand."""
+    from gateway.logs import configure_logging
+
+    configure_logging("WARNING")
+    overrides: dict[str, Any] = {"data_dir": args.data_dir}
+    if args.backend != "all":
+        overrides["backend"] = args.backend
+    settings = _settings(**overrides)
+    kinds = ["local", "docker"] if args.backend == "all" else [settings.backend]
+    return asyncio.run(_prune_images(settings, kinds, dry_run=args.dry_run))
+
+
+async def _prune_images(settings: Settings, kinds: Sequence[str], *, dry_run: bool) -> int:
+    from sandboxes.backends import create_backend
+    from sandboxes.errors import SandboxError
+    from workers.dockerfile import ENV_IMAGE_NAME
+
+    for kind in kinds:
+        try:
+            backend = create_backend(kind, node=settings.node, root_dir=settings.sandboxes_dir,
+                                     docker_url=settings.docker_url, isolation=settings.isolation,
+                                     runtime=settings.runtime)
+        except SandboxError as exc:
+            raise CLIError(f"backend {kind!r} is not usable here: {exc}") from exc
+        freed = kept = 0
+        try:
+            for image in await backend.list_images(ENV_IMAGE_NAME):
+                if image.in_use:
+                    kept += 1
+                    continue
+                if not dry_run:
+                    await backend.remove_image(image.ref)
+                freed += image.size_bytes
+                print(f"{backend.name}  {'would remove' if dry_run else 'removed'}  {image.ref}  "
+                      f"{image.size_bytes / 2**20:.1f} MiB", flush=True)
+        except SandboxError as exc:
+            raise CLIError(f"pruning images on {backend.name} failed: {exc}") from exc
+        finally:
+            await backend.aclose()
+        _stderr(f"forkyard: {backend.name}: {'would free' if dry_run else 'freed'} {freed / 2**20:.1f} MiB; "
+                f"{kept} image(s) in use kept")
+    return 0
+
+
 # --------------------------------------------------------------------------- keys
 
 
@@ -314,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     up.set_defaults(func=cmd_up)
 
-    images = sub.add_parser("images", help="build sandbox images").add_subparsers(
+    images = sub.add_parser("images", help="build or prune sandbox images").add_subparsers(
         dest="images_command", required=True, metavar="COMMAND")
     build = images.add_parser("build", help="build an image and import it into the backend(s)")
     build.add_argument("name", choices=["base"], help="the image to build (only 'base' for now)")
@@ -323,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--data-dir", type=Path, help="data dir (the local backend keeps its images there)")
     build.add_argument("--cache-dir", type=Path, help="root filesystem cache (default /var/cache/forkyard/images)")
     build.set_defaults(func=cmd_images_build)
+    prune = images.add_parser("prune", help="remove built task and stand-in images no sandbox uses")
+    prune.add_argument("--backend", choices=["auto", "docker", "local", "all"], default="auto",
+                       help="backend to prune (default: the gateway's)")
+    prune.add_argument("--data-dir", type=Path, help="data dir (the local backend keeps its images there)")
+    prune.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    prune.set_defaults(func=cmd_images_prune)
 
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(
         dest="keys_command", required=True, metavar="COMMAND")

@@ -98,6 +98,17 @@ class SandboxInfo:
     labels: Mapping[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ImageInfo:
+    """One image a backend holds: its ref, its bytes of its own (not shared with other images), its use."""
+
+    ref: str
+    size_bytes: int
+    created_at: float
+    in_use: bool
+    """A sandbox (live or stopped) of this backend starts from it."""
+
+
 @runtime_checkable
 class SandboxBackend(Protocol):
     """A handful of async methods every backend implements.
@@ -152,6 +163,9 @@ class SandboxBackend(Protocol):
 
     async def remove_image(self, image: str) -> None:
         """Forget ``image`` (idempotent)."""
+
+    async def list_images(self, repository: str) -> list[ImageInfo]:
+        """Return the images of ``repository`` (e.g. ``forkyard/env``), oldest first."""
 
     async def image_digest(self, image: str) -> str:
         """Return a digest that changes whenever the content behind ``image`` does.

@@ -35,10 +35,10 @@ Choices worth knowing:
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import dataclasses
 import errno
 import io
+import ipaddress
 import json
 import logging
 import os
@@ -64,6 +64,7 @@ from sandboxes.base import (
     LABEL_NODE,
     ExecResult,
     ImageConfig,
+    ImageInfo,
     SandboxInfo,
     SandboxSpec,
     SandboxState,
@@ -993,6 +994,20 @@ class DockerBackend:
             await self._call("remove an image", self._api.remove_image, image)
         except docker.errors.NotFound:
             pass
+
+    async def list_images(self, repository: str) -> list[ImageInfo]:
+        """Return the images of ``repository``, oldest first; size: the bytes no other image shares."""
+        images = await self._call("list images", self._api.images, name=repository)
+        containers = await self._call("list containers", self._api.containers, all=True)
+        used = {c.get("ImageID") for c in containers} | {c.get("Image") for c in containers}
+        found = []
+        for image in images:
+            own = max(0, int(image.get("Size") or 0) - max(0, int(image.get("SharedSize") or 0)))
+            for ref in image.get("RepoTags") or []:
+                if ref.rsplit(":", 1)[0] == repository:
+                    found.append(ImageInfo(ref=ref, size_bytes=own, created_at=float(image.get("Created") or 0),
+                                           in_use=image.get("Id") in used or ref in used))
+        return sorted(found, key=lambda i: (i.created_at, i.ref))
 
     # -- snapshots --------------------------------------------------------------------
 

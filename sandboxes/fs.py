@@ -250,11 +250,34 @@ def write_in_root(
             os.close(rootfd)
 
 
+def tree_bytes(path: str | os.PathLike) -> int:
+    """Return the disk bytes of the tree at ``path`` (symlinks not followed, hard links counted once)."""
+    total, seen, stack = 0, set(), [os.fspath(path)]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+    return total
+
+
 def _force_walk(enabled: bool) -> None:
     """Use the user-space resolver even where openat2 exists (tests of the fallback)."""
     global _openat2_works
     _openat2_works = False if enabled else None
 
 
-__all__ = ["TooLargeError", "file_size_in_root", "mkdirs_in_root", "open_file_in_root", "open_in_root", "read_in_root", "write_in_root"]
+__all__ = ["TooLargeError", "file_size_in_root", "mkdirs_in_root", "open_file_in_root", "open_in_root", "read_in_root",
+           "tree_bytes", "write_in_root"]
 

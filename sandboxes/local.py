@@ -62,6 +62,7 @@ from sandboxes.base import (
     LABEL_NODE,
     ExecResult,
     ImageConfig,
+    ImageInfo,
     Resources,
     SandboxInfo,
     SandboxSpec,
@@ -717,6 +718,30 @@ class LocalBackend:
             for layer in self._layers.iterdir():
                 if not layer.name.startswith(".") and str(layer) not in used:
                     await asyncio.to_thread(shutil.rmtree, layer, True)
+
+    async def list_images(self, repository: str) -> list[ImageInfo]:
+        """Return the images of ``repository``, oldest first; size: the layers no other image shares."""
+        return await asyncio.to_thread(self._list_images, repository)
+
+    def _list_images(self, repository: str) -> list[ImageInfo]:
+        manifests = {}
+        for path in self._images.rglob("*.json"):
+            try:
+                manifests[path] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+        uses: Counter[str] = Counter(layer for m in manifests.values() for layer in set(m.get("layers", [])))
+        in_use = {(self._read_meta(d.name) or {}).get("image") for d in self._sandboxes_dir.iterdir()}
+        found = []
+        for path, manifest in manifests.items():
+            name = path.parent.relative_to(self._images).as_posix()
+            if name != repository:
+                continue
+            ref = f"{name}:{path.stem}"
+            own = [layer for layer in set(manifest.get("layers", [])) if uses[layer] == 1]
+            found.append(ImageInfo(ref=ref, size_bytes=sum(fs.tree_bytes(Path(layer)) for layer in own),
+                                   created_at=path.stat().st_mtime, in_use=ref in in_use))
+        return sorted(found, key=lambda i: (i.created_at, i.ref))
 
     def _used_layers(self) -> set[str]:
         used: set[str] = set(self._mounting)
