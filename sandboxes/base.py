@@ -140,8 +140,14 @@ class SandboxBackend(Protocol):
             FileTooLargeError: ``max_bytes`` is set and the file is bigger (nothing is read past it).
         """
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
-        """Write ``data`` to ``path`` inside the sandbox, creating parent directories."""
+    async def write_file(
+        self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644, owner: tuple[int, int] | None = None
+    ) -> None:
+        """Write ``data`` to ``path`` inside the sandbox, creating parent directories.
+
+        The file (and the directories made for it) belong to ``owner`` (uid, gid inside the
+        sandbox), by default root.
+        """
 
     async def status(self, sandbox_id: str) -> SandboxInfo:
         """Return the sandbox's current info; raise SandboxNotFoundError if unknown."""

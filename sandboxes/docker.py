@@ -262,13 +262,14 @@ def _rootfs_tar(root: str, chunk_bytes: int = 1 << 20) -> Iterator[bytes]:
     yield bytes(buf)
 
 
-def _single_file_tar(name: str, data: bytes, mode: int) -> bytes:
-    """Return a tar holding one regular file ``name`` owned by root."""
+def _single_file_tar(name: str, data: bytes, mode: int, owner: tuple[int, int] | None = None) -> bytes:
+    """Return a tar holding one regular file ``name`` owned by ``owner`` (uid, gid; default root)."""
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
         info = tarfile.TarInfo(name)
         info.size = len(data)
         info.mode = mode & 0o7777
+        info.uid, info.gid = owner or (0, 0)
         info.mtime = int(time.time())
         tar.addfile(info, io.BytesIO(data))
     return out.getvalue()
@@ -815,20 +816,22 @@ class DockerBackend:
         except OSError as exc:
             raise SandboxError(f"cannot read {target} in sandbox {sbx.id[:12]}: {exc.strerror}") from exc
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
-        """Write ``data`` to ``path`` inside the sandbox, creating parent directories."""
+    async def write_file(
+        self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644, owner: tuple[int, int] | None = None
+    ) -> None:
+        """Write ``data`` to ``path`` inside the sandbox, creating parent directories (owned by ``owner``)."""
         sbx, target = await self._file_target(sandbox_id, path)
         if target == "/":
             raise IsADirectoryError(errno.EISDIR, "cannot write to the sandbox root", target)
         rootfd = self._root_fd(sbx)
         if rootfd is None:
-            await self._write_archive(sbx.id, target, bytes(data), mode)
+            await self._write_archive(sbx.id, target, bytes(data), mode, owner)
             return
         try:
             if len(data) <= _INLINE_IO_BYTES:
-                fs.write_in_root(rootfd, target, bytes(data), mode)
+                fs.write_in_root(rootfd, target, bytes(data), mode, owner=owner)
             else:
-                await asyncio.to_thread(fs.write_in_root, rootfd, target, bytes(data), mode)
+                await asyncio.to_thread(fs.write_in_root, rootfd, target, bytes(data), mode, owner=owner)
         except IsADirectoryError:
             raise
         except OSError as exc:
@@ -867,10 +870,12 @@ class DockerBackend:
                 return fh.read()
         raise SandboxError(f"too many levels of symbolic links at {target!r} in sandbox {cid[:12]}")
 
-    async def _write_archive(self, cid: str, target: str, data: bytes, mode: int) -> None:
+    async def _write_archive(
+        self, cid: str, target: str, data: bytes, mode: int, owner: tuple[int, int] | None = None
+    ) -> None:
         """Write one file through ``put_archive``, creating missing parents with ``mkdir -p``."""
         parent, name = posixpath.split(target)
-        blob = _single_file_tar(name, data, mode)
+        blob = _single_file_tar(name, data, mode, owner)
         for attempt in range(2):
             try:
                 ok = await self._call("write a file", self._api.put_archive, cid, parent, blob)
@@ -879,7 +884,8 @@ class DockerBackend:
                     msg = f"cannot create {parent} in sandbox {cid[:12]}"
                     raise FileNotFoundError(errno.ENOENT, msg, parent) from exc
                 container = await self._call("find a container", self._client.containers.get, cid)
-                await self._call("create directories", container.exec_run, ["mkdir", "-p", "--", parent], user="0")
+                await self._call("create directories", container.exec_run, ["mkdir", "-p", "--", parent],
+                                 user=f"{owner[0]}:{owner[1]}" if owner else "0")
                 continue
             if not ok:
                 raise SandboxError(f"Docker engine refused to write {target!r} in sandbox {cid[:12]}")

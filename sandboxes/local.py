@@ -137,6 +137,14 @@ MOUNTS_ROOT = Path("/run/forkyard")
 #: Host ids of the sandbox's root: what files the host writes into a sandbox belong to.
 ROOT_OWNER = (UID_BASE, UID_BASE)
 
+
+def _host_ids(owner: tuple[int, int]) -> tuple[int, int]:
+    """Return the host ids of (uid, gid) inside a sandbox; refuse ids outside its mapped range."""
+    uid, gid = owner
+    if not (0 <= uid < UID_COUNT and 0 <= gid < UID_COUNT):
+        raise SandboxError(f"owner {uid}:{gid} is outside the sandbox's id range (0..{UID_COUNT - 1})")
+    return UID_BASE + uid, UID_BASE + gid
+
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 READY_TIMEOUT_S = 30.0
 #: After killing a timed-out command, how long the shell gets to print its marker.
@@ -1467,17 +1475,20 @@ class LocalBackend:
         except OSError as exc:
             raise SandboxError(f"cannot read {inner} in sandbox {sandbox_id}: {exc.strerror}") from exc
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644) -> None:
-        """Write ``data`` to ``path`` inside the sandbox, creating parent directories."""
+    async def write_file(
+        self, sandbox_id: str, path: str, data: bytes, *, mode: int = 0o644, owner: tuple[int, int] | None = None
+    ) -> None:
+        """Write ``data`` to ``path`` inside the sandbox, creating parent directories (owned by ``owner``)."""
         sb = self._live(sandbox_id)
         inner = self._host_path(sb, path)
         if inner == "/":
             raise IsADirectoryError(errno.EISDIR, "cannot write to the sandbox root", inner)
+        host_owner = ROOT_OWNER if owner is None else _host_ids(owner)
         try:
             if len(data) <= INLINE_IO_BYTES:
-                fs.write_in_root(sb.rootfd, inner, bytes(data), mode, owner=ROOT_OWNER)
+                fs.write_in_root(sb.rootfd, inner, bytes(data), mode, owner=host_owner)
             else:
-                await asyncio.to_thread(fs.write_in_root, sb.rootfd, inner, bytes(data), mode, owner=ROOT_OWNER)
+                await asyncio.to_thread(fs.write_in_root, sb.rootfd, inner, bytes(data), mode, owner=host_owner)
         except IsADirectoryError:
             raise
         except OSError as exc:

@@ -496,3 +496,19 @@ async def test_environment_setup_sh_is_only_the_dockerfiles_and_never_runs_at_re
     assert task.setup_script is None
     async with harness.env(task) as env:
         assert (await env.step("bash", {"command": "cat /app/runs.txt"})).observation.startswith("ran\n[exit")
+
+
+async def test_tests_dir_is_writable_by_the_verifier_under_the_images_user(harness: Harness) -> None:
+    """pytest writes its cache and __pycache__ beside the tests: /tests is the verifier's to write, as in Harbor."""
+    test_sh = (b"#!/bin/bash\nmkdir -p /logs/verifier\n"
+               b"touch /tests/.pytest_cache_probe && mkdir /tests/__pycache__ && id -un > /tests/who && "
+               b"echo 1 > /logs/verifier/reward.txt || echo 0 > /logs/verifier/reward.txt\n")
+    task = load_task_files("tests-writable", {
+        "instruction.md": b"x\n",
+        "task.toml": b"[environment]\nallow_internet = false\n",
+        "environment/Dockerfile": b"FROM ubuntu:24.04\nRUN useradd -m player\nUSER player\nWORKDIR /home/player\n",
+        "tests/test.sh": test_sh,
+    })
+    async with harness.env(task) as env:
+        result = await env.step("submit", {})
+        assert result.reward == 1.0, result.info

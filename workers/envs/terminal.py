@@ -702,14 +702,17 @@ class TerminalEnv:
         """Copy the tests into ``sandbox_id``, run test.sh there and read the reward."""
         try:
             # Whatever the agent left at these paths must not decide the reward.
-            await self._housekeeping(
-                f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} && mkdir -p {VERIFIER_LOG_DIR}",
+            ready = await self._housekeeping(
+                f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} && mkdir -p {VERIFIER_LOG_DIR} && id -u && id -g",
                 what="prepare the verifier",
                 sandbox_id=sandbox_id,
             )
+            # /tests is the verifier's (its user's, the image's USER) to write in: pytest puts its
+            # cache and __pycache__ beside the tests.
+            uid, gid = (int(n) for n in ready.stdout.split()[-2:])
             for rel, data in sorted(self.task.test_files.items()):
                 mode = 0o755 if rel.endswith(".sh") else 0o644
-                await self.backend.write_file(sandbox_id, f"{TESTS_DIR}/{rel}", data, mode=mode)
+                await self.backend.write_file(sandbox_id, f"{TESTS_DIR}/{rel}", data, mode=mode, owner=(uid, gid))
             timeout = self.task.verifier_timeout_s
             result = await self.backend.exec(
                 sandbox_id,
