@@ -158,19 +158,26 @@ def cmd_images_build(args: argparse.Namespace) -> int:
     return asyncio.run(_build_base(settings, kinds))
 
 
-async def _build_base(settings: Settings, kinds: Sequence[str]) -> int:
+def _cli_backend(settings: Settings, kind: str) -> Any:
+    """Return the ``kind`` backend the settings describe, or raise CLIError saying why it is not usable."""
     from sandboxes.backends import create_backend
+    from sandboxes.errors import SandboxError
+
+    try:
+        return create_backend(kind, node=settings.node, root_dir=settings.sandboxes_dir,
+                              docker_url=settings.docker_url, isolation=settings.isolation,
+                              runtime=settings.runtime)
+    except SandboxError as exc:
+        raise CLIError(f"backend {kind!r} is not usable here: {exc}") from exc
+
+
+async def _build_base(settings: Settings, kinds: Sequence[str]) -> int:
     from sandboxes.errors import SandboxError
     from sandboxes.images import ensure_base_image
 
     progress: Callable[[str], None] = lambda line: _stderr(f"  {line}")
     for kind in kinds:
-        try:
-            backend = create_backend(kind, node=settings.node, root_dir=settings.sandboxes_dir,
-                                     docker_url=settings.docker_url, isolation=settings.isolation,
-                                     runtime=settings.runtime)
-        except SandboxError as exc:
-            raise CLIError(f"backend {kind!r} is not usable here: {exc}") from exc
+        backend = _cli_backend(settings, kind)
         try:
             _stderr(f"forkyard: ensuring the base image for the {backend.name} backend "
                     f"(cache {settings.image_cache_dir})")
@@ -197,17 +204,11 @@ def cmd_images_prune(args: argparse.Namespace) -> int:
 
 
 async def _prune_images(settings: Settings, kinds: Sequence[str], *, dry_run: bool) -> int:
-    from sandboxes.backends import create_backend
     from sandboxes.errors import SandboxError
     from workers.dockerfile import ENV_IMAGE_NAME
 
     for kind in kinds:
-        try:
-            backend = create_backend(kind, node=settings.node, root_dir=settings.sandboxes_dir,
-                                     docker_url=settings.docker_url, isolation=settings.isolation,
-                                     runtime=settings.runtime)
-        except SandboxError as exc:
-            raise CLIError(f"backend {kind!r} is not usable here: {exc}") from exc
+        backend = _cli_backend(settings, kind)
         freed = kept = 0
         try:
             for image in await backend.list_images(ENV_IMAGE_NAME):

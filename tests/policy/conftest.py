@@ -38,17 +38,22 @@ def tiny_models(tmp_path_factory) -> Iterator[TinyModels]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tiny_models, tmp_path_factory) -> Iterator[VLLMServer]:
-    """Start one vLLM server on the primary tiny model for the whole session; stop it at the end."""
+def serve_tiny_model(tiny_models, tmp_path_factory, name: str, extra_args: tuple[str, ...] = ()) -> Iterator[VLLMServer]:
+    """Yield a vLLM server on the primary tiny model (failing, never skipping, without the venv); stop it after."""
     if not (VLLM_VENV / "bin" / "python").exists():
         pytest.fail(f"the policy tests need a real vLLM server but {VLLM_VENV} is missing: run `bash .ci/vllm`")
-    log_path = tmp_path_factory.mktemp("vllm") / "server.log"
+    log_path = tmp_path_factory.mktemp(name) / "server.log"
     try:
-        server = start_vllm_server(tiny_models.primary, log_path=log_path)
+        server = start_vllm_server(tiny_models.primary, log_path=log_path, extra_args=extra_args)
     except VLLMServerError as exc:
         pytest.fail(str(exc))
     try:
         yield server
     finally:
         stop_vllm_server(server)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_models, tmp_path_factory) -> Iterator[VLLMServer]:
+    """Start one vLLM server on the primary tiny model for the whole session; stop it at the end."""
+    yield from serve_tiny_model(tiny_models, tmp_path_factory, "vllm")

@@ -15,12 +15,8 @@ import httpx
 import pytest
 
 from tests.live import ROOT, run_gateway
-from tests.policy.vllm_server import (
-    VLLMServer,
-    VLLMServerError,
-    start_vllm_server,
-    stop_vllm_server,
-)
+from tests.policy.conftest import serve_tiny_model
+from tests.policy.vllm_server import VLLMServer
 
 TASKS_DIR = ROOT / "examples" / "tasks" / "terminal"
 KEY = "sk-test-" + secrets.token_hex(16)
@@ -29,15 +25,7 @@ KEY = "sk-test-" + secrets.token_hex(16)
 @pytest.fixture(scope="module")
 def keyed_vllm(tiny_models, tmp_path_factory) -> Iterator[VLLMServer]:
     """A vLLM server of its own, started with ``--api-key``."""
-    log_path = tmp_path_factory.mktemp("vllm-key") / "server.log"
-    try:
-        server = start_vllm_server(tiny_models.primary, log_path=log_path, extra_args=["--api-key", KEY])
-    except VLLMServerError as exc:
-        pytest.fail(str(exc))
-    try:
-        yield server
-    finally:
-        stop_vllm_server(server)
+    yield from serve_tiny_model(tiny_models, tmp_path_factory, "vllm-key", ("--api-key", KEY))
 
 
 def test_rollout_reaches_a_vllm_behind_an_api_key(keyed_vllm, tiny_models, tmp_path):

@@ -8,7 +8,6 @@ import json
 import math
 import shutil
 import socket
-import subprocess
 import threading
 import time
 from collections import defaultdict

@@ -227,8 +227,8 @@ async def test_setuid_binary_made_inside_is_no_host_root(backend, still_serving)
 
 
 @contextlib.asynccontextmanager
-async def host_listener():
-    """Yield the port of a TCP server on the host's 127.0.0.1 that records who connected."""
+async def host_listener(host: str = "127.0.0.1"):
+    """Yield the port of a TCP server on the host (127.0.0.1 by default) that records who connected."""
     seen: list[str] = []
 
     async def handle(reader, writer):
@@ -237,7 +237,7 @@ async def host_listener():
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(handle, host, 0)
     try:
         yield server.sockets[0].getsockname()[1], seen
     finally:
@@ -268,17 +268,7 @@ async def test_host_services_on_its_own_addresses_are_unreachable_even_on_an_all
 ):
     """A host service bound to 0.0.0.0 answers on the host's public address too; no sandbox may reach it."""
     host_ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True, check=True).stdout.split()[0]
-    seen: list[str] = []
-
-    async def handle(reader, writer):
-        seen.append("connected")
-        writer.write(b"host-secret\n")
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_server(handle, "0.0.0.0", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    async with host_listener("0.0.0.0") as (port, seen):
         # The port is one the egress policy allows: only the host-address rule stands in the way.
         async for backend in fresh_backend(kind, created, backend_root, node_name, egress_ports=[port, 443]):
             info = await backend.create(SandboxSpec(image=BASE_REF, network=True))
@@ -292,10 +282,7 @@ async def test_host_services_on_its_own_addresses_are_unreachable_even_on_an_all
             )
             r = await run(backend, info.id, probe)
             assert "host-secret" not in r.stdout and r.stdout.count("refused") == 2, r
-    finally:
-        server.close()
-        await server.wait_closed()
-    assert seen == []
+        assert seen == []
 
 
 # ----------------------------------------------------------------------- resources
