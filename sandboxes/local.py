@@ -700,7 +700,7 @@ class LocalBackend:
         """Tell whether ``image`` has a manifest here whose layers are in the sandboxes' id range."""
         try:
             return self._load_manifest(image).get("uid_base") == UID_BASE
-        except (ImageNotFoundError, OSError, ValueError):
+        except (SandboxError, OSError, ValueError):  # unknown, or a ref no local image can have (a digest)
             return False
 
     async def image_digest(self, image: str) -> str:

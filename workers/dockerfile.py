@@ -461,7 +461,10 @@ def _parse_arg_decls(ins: Instruction, variables: Mapping[str, str]) -> list[tup
 def normalize_image_name(name: str) -> str:
     """Return ``name`` without registry/library prefixes or digest, with a tag (default ``latest``)."""
     name = name.split("@", 1)[0]
-    for prefix in ("docker.io/library/", "index.docker.io/library/", "docker.io/", "index.docker.io/", "library/"):
+    # Docker Hub's official images, also as its public mirrors name them (TB2 tasks use ECR's).
+    for prefix in ("docker.io/library/", "index.docker.io/library/", "registry-1.docker.io/library/",
+                   "public.ecr.aws/docker/library/", "mirror.gcr.io/library/", "mirror.gcr.io/",
+                   "docker.io/", "index.docker.io/", "library/"):
         if name.startswith(prefix):
             name = name[len(prefix) :]
             break

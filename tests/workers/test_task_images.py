@@ -110,3 +110,18 @@ async def test_a_toolchain_stand_in_and_an_unmapped_image(runtime):
         assert await runtime.task_image(task("", b"FROM quay.io/someone/private:1\nRUN true\n"))
     finally:
         runtime.stand_ins = None
+
+
+def test_mirror_names_and_digests_of_official_images_find_their_stand_in():
+    """TB2 tasks start FROM public.ecr.aws/docker/library/debian:bookworm-slim@sha256:..."""
+    from workers.standins import stand_in_for
+
+    digest = "@sha256:" + "0" * 64
+    assert stand_in_for(f"public.ecr.aws/docker/library/debian:bookworm-slim{digest}") == "base"
+    assert stand_in_for("mirror.gcr.io/library/python:3.12-slim") == "python"
+    assert stand_in_for("ghcr.io/someone/python:3.12") is None  # not the official image
+
+
+async def test_a_digest_reference_is_simply_not_a_local_image(runtime):
+    assert await runtime.backend.has_image("public.ecr.aws/docker/library/debian:bookworm-slim@sha256:" + "0" * 64) \
+        is False
