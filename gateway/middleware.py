@@ -13,6 +13,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.db import close_request_db_session
 from gateway.errors import error_response
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class BodyTooLargeError(StarletteHTTPException):
 
 
 class RequestIdMiddleware:
-    """Give every request an id (X-Request-ID in and out), log it, and answer crashes with a 500."""
+    """Give every request an id (X-Request-ID in and out), log it, answer crashes with a 500, close its DB session."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -79,6 +80,7 @@ class RequestIdMiddleware:
             response = error_response(500, "internal_error", f"An internal error occurred (request {rid}).", rid)
             await response(scope, receive, send_with_id)
         finally:
+            await close_request_db_session(scope["state"])
             access_logger.info(
                 "%s %s %s %.1fms request_id=%s",
                 scope["method"], scope["path"], status, (time.monotonic() - t0) * 1000, rid,

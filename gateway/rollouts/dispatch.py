@@ -180,8 +180,9 @@ class Dispatcher:
             if row is None:
                 raise WorkerError(f"task {task_id} vanished")
             env = await db.get(Environment, row.environment_id)
+            task = await tasks_service.load_terminal_task(db_session=db, task_id=task_id)
         env_version = f"{env.name}@{env.version}" if env is not None else ""
-        return await tasks_service.load_terminal_task(row), env_version
+        return task, env_version
 
     async def _queued_group(self, episode: Episode) -> list[Episode]:
         """Return the queued first attempts of ``episode``'s group (it included)."""

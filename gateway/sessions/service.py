@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_SESSION = EnvSession.__table__
+
 #: Label holding the id of the task a sandbox runs (the runtime sets LABEL_OWNER = session id
 #: and "forkyard.task" = task name).
 LABEL_TASK_ID = "forkyard.task_id"
@@ -120,13 +122,30 @@ async def list_steps(
     return rows, total, end if end < total else None
 
 
-async def last_observation(db_session: AsyncSession, session_id: str) -> str | None:
-    """Return the observation of the session's latest step (its own or inherited), or None before any."""
-    total, _ = await history_segments(db_session, session_id)
-    if total == 0:
+_LINEAGE = select(_SESSION.c.parent_session_id, _SESSION.c.parent_steps).where(_SESSION.c.id == bindparam("id"))
+_OBSERVATION = select(SessionStep.__table__.c.observation).where(
+    SessionStep.__table__.c.session_id == bindparam("id"), SessionStep.__table__.c.seq == bindparam("seq"))
+
+
+async def last_observation(
+    db_session: AsyncSession, session_id: str, *, steps: int, parent_session_id: str | None, parent_steps: int
+) -> str | None:
+    """Return the observation of a session's latest step (its own or inherited), or None before any.
+
+    Takes the session's own ``steps``/``parent_*`` columns (the caller has read them): a
+    session with steps of its own costs one query, a fork without any one more per ancestor.
+    """
+    if steps <= 0:
         return None
-    rows, _, _ = await list_steps(db_session=db_session, session_id=session_id, start=total - 1, limit=1)
-    return rows[0].observation if rows else None
+    seq, owner, parent, start = steps - 1, session_id, parent_session_id, parent_steps
+    for _ in range(MAX_FORK_DEPTH):
+        if parent is None or seq >= start:
+            break
+        up = (await db_session.execute(_LINEAGE, {"id": parent})).first()
+        if up is None:
+            break
+        owner, (parent, start) = parent, up
+    return (await db_session.execute(_OBSERVATION, {"id": owner, "seq": seq})).scalar()
 
 
 async def count_open_sessions(*, db_session: AsyncSession, node: str) -> int:
@@ -157,7 +176,7 @@ async def open_session(
     db_session.add(row)
     await db_session.commit()
     try:
-        terminal_task = await load_terminal_task(task)
+        terminal_task = await load_terminal_task(db_session=db_session, task_id=task.id)
         opened = await runtime.open_session(
             row.id, terminal_task, labels={LABEL_TASK_ID: task.id}, env_version=environment_version(task)
         )
@@ -207,7 +226,6 @@ async def step_session(
 
 
 # A step's statements, built once (Core, not ORM: the ORM's per-statement work was most of a step's cost).
-_SESSION = EnvSession.__table__
 _STEP_READ = select(_SESSION.c.state).where(_SESSION.c.id == bindparam("id"))
 _STEP_INSERT = insert(SessionStep.__table__)
 # Every step that ran is counted, even one a close overtook (the close waits for its record).

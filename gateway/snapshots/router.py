@@ -37,12 +37,13 @@ async def snapshot_session(session_id: str, db_session: DbSession, runtime: Runt
 
 @router.post("/snapshots/{snapshot_id}/fork", status_code=201, response_model=ForkedSessions)
 async def fork_snapshot(
-    snapshot_id: str, body: SnapshotFork, db_session: DbSession, runtime: Runtime, settings: CurrentSettings
+    snapshot_id: str, body: SnapshotFork, db_session: DbSession, runtime: Runtime, settings: CurrentSettings,
+    gate: Gate,
 ):
     """Start ``n`` sessions continuing from the snapshot; each inherits the steps up to it (``GET .../steps``)."""
     record, forks = await service.fork_snapshot(
         db_session=db_session, runtime=runtime, snapshot_id=snapshot_id, n=body.n, node=settings.node,
-        max_open=settings.sessions.max_open,
+        max_open=settings.sessions.max_open, gate=gate,
     )
     return ForkedSessions(items=[
         ForkedSession(

@@ -10,29 +10,36 @@ DELETE marks it deleted at once; its storage goes when its open forks end.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import exists, or_, select, update
+from sqlalchemy import bindparam, exists, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
+from sqlalchemy.orm.attributes import set_committed_value
 
 from gateway.db import new_id, utcnow
 from gateway.errors import ConflictError, NotFoundError, RateLimitedError
 from gateway.pagination import page_of, paginate
 from gateway.sandboxes.models import Sandbox
 from gateway.sessions import service as sessions_service
-from gateway.sessions.models import EnvSession, SessionState
+from gateway.sessions.gate import StepGate
+from gateway.sessions.models import EnvSession, SessionState, SessionStep
 from gateway.snapshots.models import SnapshotRecord
-from gateway.tasks.service import get_task, load_terminal_task
+from gateway.tasks.service import load_terminal_task
 from workers.errors import SessionNotFoundError
 from workers.runtime import SESSION_SNAPSHOT_KEY
 
 if TYPE_CHECKING:
+    from sandboxes.base import SandboxInfo
     from workers.runtime import SessionOpened, WorkerRuntime
 
 logger = logging.getLogger(__name__)
+
+_SESSION = EnvSession.__table__
 
 KIND_MANUAL = "manual"
 
@@ -72,29 +79,60 @@ async def list_snapshots(
     return page_of(rows, limit=limit)
 
 
+# The source's columns a snapshot records and, when the session took it itself, its last
+# step's observation: one statement (a fork's inherited last step needs one more per ancestor).
+_STEP = SessionStep.__table__
+_SOURCE = select(
+    _SESSION.c.state, _SESSION.c.task_id, _SESSION.c.node, _SESSION.c.steps, _SESSION.c.parent_session_id,
+    _SESSION.c.parent_steps,
+    select(_STEP.c.observation)
+    .where(_STEP.c.session_id == _SESSION.c.id, _STEP.c.seq == _SESSION.c.steps - 1)
+    .scalar_subquery().label("observation"),
+).where(_SESSION.c.id == bindparam("id"))
+
+
 async def snapshot_session(
     *, db_session: AsyncSession, runtime: WorkerRuntime, session_id: str
 ) -> SnapshotRecord:
     """Snapshot an open session: its sandbox, its env state and how far its history goes.
 
+    The caller settles the session's step records first (the gate): the step count and
+    last observation recorded are those of the steps answered before the snapshot. The
+    record's reads run while the backend copies the sandbox; only its insert comes after.
+
     Raises:
         NotFoundError: no such session.
         ConflictError: the session is not open (code ``session_closed``).
     """
-    row = await sessions_service.get_session(db_session=db_session, session_id=session_id)
-    if row.state != SessionState.OPEN:
-        raise ConflictError(f"Session {session_id!r} is {row.state.value}; only an open session can be snapshotted.",
-                            code="session_closed")
-    task = await get_task(db_session=db_session, task_id=row.task_id)
-    await db_session.commit()  # no transaction stays open while the backend copies the filesystem
+    # A session the runtime holds is open (it lets go only after the row left ``open``).
+    snapping = asyncio.ensure_future(runtime.snapshot_session(
+        session_id, metadata={"session_id": session_id, SESSION_SNAPSHOT_KEY: session_id}))
     try:
-        snap = await runtime.snapshot_session(session_id, metadata={"session_id": session_id,
-                                                                    SESSION_SNAPSHOT_KEY: session_id})
+        source, observation = await _read_source(db_session, session_id)
+    except BaseException:
+        await _drop_snapshot(runtime, snapping)
+        raise
+    if source is None or source.state != SessionState.OPEN:
+        await _drop_snapshot(runtime, snapping)
+        if source is None:
+            raise NotFoundError(f"Session {session_id!r} does not exist.")
+        raise ConflictError(f"Session {session_id!r} is {source.state.value}; only an open session can be "
+                            "snapshotted.", code="session_closed")
+    try:
+        snap = await snapping
     except SessionNotFoundError as exc:
         raise ConflictError(f"Session {session_id!r} is no longer live on its worker; it cannot be snapshotted.",
                             code="session_closed") from exc
     try:
-        record = await _record_snapshot(db_session, row, task, snap)
+        if observation is None:  # no step yet: a fork starts where the session did
+            observation = (await load_terminal_task(db_session=db_session, task_id=source.task_id)).instruction
+        record = SnapshotRecord(
+            id=new_id("snap"), node=source.node, backend=snap.sandbox.backend, session_id=session_id,
+            task_id=source.task_id, kind=KIND_MANUAL, pinned=False, created_at=utcnow(),
+            state={"session": snap.to_json(), "steps": source.steps, "observation": observation},
+        )  # fmt: skip
+        db_session.add(record)
+        await db_session.commit()
     except BaseException:  # unrecorded, nothing would ever free it
         await asyncio.shield(runtime.delete_snapshot(snap.id))
         raise
@@ -102,18 +140,28 @@ async def snapshot_session(
     return record
 
 
-async def _record_snapshot(db_session: AsyncSession, row: EnvSession, task: Any, snap: Any) -> SnapshotRecord:
-    await db_session.refresh(row)
-    observation = await sessions_service.last_observation(db_session, row.id)
-    record = SnapshotRecord(
-        id=new_id("snap"), node=row.node, backend=snap.sandbox.backend, session_id=row.id, task_id=row.task_id,
-        kind=KIND_MANUAL, pinned=False, created_at=utcnow(),
-        state={"session": snap.to_json(), "steps": row.steps,
-               "observation": task.instruction if observation is None else observation},
-    )  # fmt: skip
-    db_session.add(record)
-    await db_session.commit()
-    return record
+async def _read_source(db_session: AsyncSession, session_id: str) -> tuple[Any, str | None]:
+    """Return the source session's columns a snapshot records (None: no such session) and its last observation."""
+    source = (await db_session.execute(_SOURCE, {"id": session_id})).first()
+    observation = None if source is None else source.observation
+    if source is not None and observation is None and source.steps > 0:  # inherited: the fork took no step yet
+        observation = await sessions_service.last_observation(
+            db_session, session_id, steps=source.steps, parent_session_id=source.parent_session_id,
+            parent_steps=source.parent_steps,
+        )
+    await db_session.commit()  # no transaction stays open while the backend copies the filesystem
+    return source, observation
+
+
+async def _drop_snapshot(runtime: WorkerRuntime, snapping: asyncio.Future) -> None:
+    """Wait for a backend snapshot that will not be recorded and free it (its errors are moot); cancel-safe."""
+
+    async def drop() -> None:
+        await asyncio.wait([snapping])
+        if not snapping.cancelled() and snapping.exception() is None:
+            await runtime.delete_snapshot(snapping.result().id)
+
+    await asyncio.shield(asyncio.ensure_future(drop()))
 
 
 async def live_backend_snapshot_ids(*, db_session: AsyncSession, node: str) -> set[str]:
@@ -123,10 +171,19 @@ async def live_backend_snapshot_ids(*, db_session: AsyncSession, node: str) -> s
     return {backend_snapshot_id(r) for r in rows}
 
 
+_DELETED_AT = select(SnapshotRecord.deleted_at).where(SnapshotRecord.id == bindparam("id"))
+
+
 async def fork_snapshot(
-    *, db_session: AsyncSession, runtime: WorkerRuntime, snapshot_id: str, n: int, node: str, max_open: int
+    *, db_session: AsyncSession, runtime: WorkerRuntime, snapshot_id: str, n: int, node: str, max_open: int,
+    gate: StepGate | None = None,
 ) -> tuple[SnapshotRecord, list[tuple[EnvSession, SessionOpened]]]:
     """Start ``n`` sessions continuing from a snapshot; each inherits the history up to it.
+
+    The forks' rows are written while the backend restores their sandboxes; if the
+    snapshot turns out deleted meanwhile, the sandboxes are freed and the forks fail.
+    With a write-behind ``gate``, each fork's sandbox is recorded behind the answer, as
+    a step is (whatever reads the fork settles it first).
 
     Raises:
         NotFoundError: no such snapshot (or it was deleted).
@@ -135,69 +192,102 @@ async def fork_snapshot(
     from workers.runtime import SessionSnapshot
 
     record = await get_snapshot(db_session=db_session, snapshot_id=snapshot_id)
-    task = await get_task(db_session=db_session, task_id=record.task_id)
     if await sessions_service.count_open_sessions(db_session=db_session, node=node) + n > max_open:
         raise RateLimitedError(
             f"Forking {n} session(s) would exceed this gateway node's limit of {max_open} open sessions."
         )
+    task = await load_terminal_task(db_session=db_session, task_id=record.task_id)
     steps = snapshot_steps(record)
-    # The rows exist (open, holding the snapshot) before any sandbox does. The history up to
-    # the snapshot stays the source session's rows: a fork costs the same after 1 step or 1,000.
+    # The history up to the snapshot stays the source session's rows: a fork costs the same
+    # after 1 step or 1,000. Each row holds the snapshot (open, snapshot_id) once committed.
     rows = [
-        EnvSession(id=new_id("sess"), task_id=task.id, state=SessionState.OPEN, node=node, steps=steps,
+        EnvSession(id=new_id("sess"), task_id=record.task_id, state=SessionState.OPEN, node=node, steps=steps,
                    created_at=utcnow(), snapshot_id=record.id, parent_session_id=record.session_id,
                    parent_steps=steps)
         for _ in range(n)
     ]
-    db_session.add_all(rows)
-    await db_session.commit()
     ids = [r.id for r in rows]
-    await db_session.refresh(record)
-    if record.deleted_at is not None:  # its last holder let go while the forks were being added
-        for session_id in ids:
-            await sessions_service._finish(db_session, session_id, SessionState.FAILED,
-                                           error="the snapshot was deleted while the fork started")
-        raise NotFoundError(f"Snapshot {snapshot_id!r} does not exist.")
+    forking = asyncio.ensure_future(runtime.fork_session(
+        SessionSnapshot.from_json(record.state["session"]), ids, task,
+        labels={sessions_service.LABEL_TASK_ID: record.task_id},
+    ))
+    failure: BaseException | None = None
     try:
-        terminal_task = await load_terminal_task(task)
-        opened = await runtime.fork_session(
-            SessionSnapshot.from_json(record.state["session"]), ids, terminal_task,
-            labels={sessions_service.LABEL_TASK_ID: task.id},
-        )
-    except Exception as exc:
-        logger.warning("fork of snapshot %s failed: %s", record.id, exc)
+        db_session.add_all(rows)
+        await db_session.commit()
+        # Read after the rows are in: a collection that ran before them shows here, one after spares the snapshot.
+        if (await db_session.execute(_DELETED_AT, {"id": record.id})).scalar() is not None:
+            failure = NotFoundError(f"Snapshot {snapshot_id!r} does not exist.")
+        await db_session.commit()
+    except BaseException:
+        await asyncio.shield(_release_forks(runtime, forking, ids))
+        raise
+    if failure is None:
+        try:
+            opened = await forking
+        except Exception as exc:
+            logger.warning("fork of snapshot %s failed: %s", record.id, exc)
+            failure = exc
+    else:
+        await asyncio.shield(_release_forks(runtime, forking, ids))
+    if failure is not None:
+        error = ("the snapshot was deleted while the fork started" if isinstance(failure, NotFoundError)
+                 else sessions_service._error_text(failure))
         for session_id in ids:
-            await sessions_service._finish(db_session, session_id, SessionState.FAILED,
-                                           error=sessions_service._error_text(exc))
+            await sessions_service._finish(db_session, session_id, SessionState.FAILED, error=error)
             await sessions_service._release(runtime, session_id)
         await collect_garbage(db_session=db_session, runtime=runtime, node=node)
-        raise
+        raise failure
     observation = record.state.get("observation") or task.instruction
     out = []
-    closed: list[str] = []
     for row, one in zip(rows, opened, strict=True):
-        sandbox = one.sandbox
-        # Conditional: a fork closed (DELETE) while its sandbox was being restored stays closed.
-        claimed = await db_session.execute(
-            update(EnvSession).where(EnvSession.id == row.id, EnvSession.state == SessionState.OPEN)
-            .values(sandbox_id=sandbox.id, backend=sandbox.backend)
-        )
-        await db_session.refresh(row)
-        if claimed.rowcount == 0:
-            closed.append(row.id)
-            await sessions_service._release(runtime, row.id)
+        claim = functools.partial(_claim_sandbox, session_id=row.id, sandbox=one.sandbox, task_id=record.task_id,
+                                  runtime=runtime)
+        if gate is not None and gate.write_behind:  # like a step's record: written behind the answer, in order
+            engine = db_session.bind
+
+            async def write(claim: Callable = claim) -> None:
+                async with AsyncSession(engine, expire_on_commit=False) as db:
+                    await claim(db_session=db)
+
+            gate.record(row.id, write)
         else:
-            db_session.add(Sandbox(
-                id=sandbox.id, node=sandbox.node, backend=sandbox.backend, state=sandbox.state, session_id=row.id,
-                task_id=task.id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC),
-            ))
-        out.append((row, type(one)(one.session_id, sandbox, observation, one.tools)))
-    await db_session.commit()
-    if closed:
-        logger.info("snapshot %s: fork(s) %s closed while starting", record.id, ", ".join(closed))
-        await collect_garbage(db_session=db_session, runtime=runtime, node=node)
+            await claim(db_session=db_session)
+        set_committed_value(row, "sandbox_id", one.sandbox.id)
+        set_committed_value(row, "backend", one.sandbox.backend)
+        out.append((row, type(one)(one.session_id, one.sandbox, observation, one.tools)))
     logger.info("snapshot %s forked into %s", record.id, ", ".join(ids))
     return record, out
+
+
+async def _claim_sandbox(
+    *, db_session: AsyncSession, session_id: str, sandbox: SandboxInfo, task_id: str, runtime: WorkerRuntime
+) -> None:
+    """Record a fork's sandbox on its row and as a sandbox row; a fork closed meanwhile lets it go instead."""
+    # Conditional: a fork closed (DELETE) while its sandbox was being restored stays closed.
+    claimed = await db_session.execute(
+        update(_SESSION).where(_SESSION.c.id == session_id, _SESSION.c.state == SessionState.OPEN)
+        .values(sandbox_id=sandbox.id, backend=sandbox.backend)
+    )
+    if claimed.rowcount == 0:
+        await db_session.commit()
+        logger.info("fork %s was closed while starting; its sandbox %s goes", session_id, sandbox.id)
+        await sessions_service._release(runtime, session_id)
+        return
+    db_session.add(Sandbox(
+        id=sandbox.id, node=sandbox.node, backend=sandbox.backend, state=sandbox.state, session_id=session_id,
+        task_id=task_id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC),
+    ))
+    await db_session.commit()
+
+
+async def _release_forks(runtime: WorkerRuntime, forking: asyncio.Future, session_ids: list[str]) -> None:
+    """Wait for a fork whose rows did not make it, then free whatever sandboxes it started."""
+    await asyncio.wait([forking])
+    if not forking.cancelled():
+        forking.exception()  # retrieved: the rows' failure is the one to report
+    for session_id in session_ids:
+        await sessions_service._release(runtime, session_id)
 
 
 async def set_pinned(

@@ -28,8 +28,8 @@ class Task(Base):
     instruction: Mapped[str] = mapped_column(Text)
     # "metadata" is reserved on declarative classes, so the attribute has another name.
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
-    archive: Mapped[bytes] = mapped_column(LargeBinary)
-    """The task directory as ``workers.tasks.task_to_tar`` bytes."""
+    archive: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
+    """The task directory as ``workers.tasks.task_to_tar`` bytes (read only to decode it: ``load_terminal_task``)."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
 
     environment: Mapped[Environment] = relationship(lazy="joined")

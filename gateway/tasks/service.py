@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from sqlalchemy import select
@@ -126,7 +127,54 @@ async def list_tasks(
     return page_of(rows, limit=limit)
 
 
-async def load_terminal_task(task: Task) -> TerminalTask:
-    """Decode a stored task's archive into the TerminalTask the workers run."""
-    decoded = await asyncio.to_thread(tasks_from_tar, task.archive)
-    return decoded[0]
+class DecodedTasks:
+    """Decoded tasks by id, the least recently used dropped past a budget of archive bytes.
+
+    A task row never changes (it is content-hashed), so a decoded task stays right for
+    as long as it is kept: opening, forking or dispatching one again neither reads its
+    archive from the database nor unpacks it.
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._tasks: OrderedDict[str, tuple[TerminalTask, int]] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, task_id: str) -> TerminalTask | None:
+        """Return the decoded task, or None if it is not kept."""
+        found = self._tasks.get(task_id)
+        if found is None:
+            return None
+        self._tasks.move_to_end(task_id)
+        return found[0]
+
+    def put(self, task_id: str, task: TerminalTask, size: int) -> None:
+        """Keep ``task`` (its archive ``size`` bytes), dropping the least recently used past the budget."""
+        if size > self.max_bytes or task_id in self._tasks:
+            return
+        self._tasks[task_id] = (task, size)
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            _, (_, dropped) = self._tasks.popitem(last=False)
+            self._bytes -= dropped
+
+
+#: The process's decoded tasks (their ids are random, so databases never share one).
+decoded_tasks = DecodedTasks()
+
+
+async def load_terminal_task(*, db_session: AsyncSession, task_id: str) -> TerminalTask:
+    """Return the TerminalTask the workers run for a stored task, decoding its archive once per process.
+
+    Raises:
+        NotFoundError: no such task.
+    """
+    task = decoded_tasks.get(task_id)
+    if task is not None:
+        return task
+    archive = await db_session.scalar(select(Task.archive).where(Task.id == task_id))
+    if archive is None:
+        raise NotFoundError(f"Task {task_id!r} does not exist.")
+    (task,) = await asyncio.to_thread(tasks_from_tar, archive)
+    decoded_tasks.put(task_id, task, len(archive))
+    return task

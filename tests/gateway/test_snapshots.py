@@ -84,6 +84,18 @@ async def test_fork_of_a_fresh_session_answers_the_instruction_and_a_fork_can_be
     assert grandchild["observation"] == "in child\n[exit code 0]"
 
 
+async def test_a_fork_snapshotted_before_its_first_step_answers_its_ancestors_last_observation(gateway):
+    """The last observation is read from the ancestor that took the step, however far up."""
+    task = await gateway.import_task("inherited")
+    root = await gateway.open_session(task["id"])
+    await step(gateway, root["id"], "echo r0")
+    (child,) = await fork(gateway, (await snapshot(gateway, root["id"]))["id"], 1)
+    (grandchild,) = await fork(gateway, (await snapshot(gateway, child["id"]))["id"], 1)
+    (great,) = await fork(gateway, (await snapshot(gateway, grandchild["id"]))["id"], 1)
+    for session in (child, grandchild, great):
+        assert session["observation"] == "r0\n[exit code 0]" and session["steps"] == 1
+
+
 async def test_steps_of_forks_of_forks_page_across_their_ancestors(gateway):
     """Each fork inherits its source's steps up to the snapshot, by reference; pages cross the seams."""
     task = await gateway.import_task("lineage")
@@ -222,14 +234,19 @@ async def test_a_fork_closed_while_it_starts_stays_closed_and_keeps_no_sandbox(g
     monkeypatch.setattr(gateway.runtime, "fork_session", slow_fork)
     forking = asyncio.ensure_future(gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 2}))
     await asyncio.wait_for(started.wait(), 10)
-    rows = (await gateway.client.get("/v1/sessions", params={"state": "open"})).json()["items"]
+    for _ in range(500):  # the forks' rows are written while their sandboxes are restored
+        rows = (await gateway.client.get("/v1/sessions", params={"state": "open"})).json()["items"]
+        if len(rows) == 3:
+            break
+        await asyncio.sleep(0.01)
     doomed = next(r["id"] for r in rows if r["id"] != source["id"])
     assert (await gateway.client.delete(f"/v1/sessions/{doomed}")).status_code == 204  # before its sandbox exists
     release.set()
     response = await forking
     assert response.status_code == 201, response.text
-    states = {f["id"]: f["state"] for f in response.json()["items"]}
+    forks = [f["id"] for f in response.json()["items"]]
+    assert doomed in forks and len(forks) == 2
+    states = {i: (await gateway.client.get(f"/v1/sessions/{i}")).json()["state"] for i in forks}
     assert states[doomed] == "closed" and sorted(states.values()) == ["closed", "open"]
-    assert (await gateway.client.get(f"/v1/sessions/{doomed}")).json()["state"] == "closed"
     assert doomed not in gateway.runtime.sessions  # its sandbox went with it
     assert set(gateway.runtime.sessions) == {source["id"]} | {i for i, st in states.items() if st == "open"}

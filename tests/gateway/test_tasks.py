@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import select
 
+from gateway.errors import NotFoundError
 from gateway.tasks.models import Task
 from tests.gateway.conftest import assert_error, tar_of, task_files
 from workers.tasks import tasks_from_tar
@@ -21,8 +23,8 @@ async def test_import_tar_gz_of_several_tasks(gateway):
         assert item["instruction"] == task_files(item["name"])["instruction.md"]
     # The stored archive decodes back to the same task.
     async with gateway.app.state.sessionmaker() as db:
-        row = await db.get(Task, items[0]["id"])
-        (decoded,) = tasks_from_tar(row.archive)
+        archive = await db.scalar(select(Task.archive).where(Task.id == items[0]["id"]))
+        (decoded,) = tasks_from_tar(archive)
         assert decoded.name == "alpha" and decoded.content_hash == items[0]["content_hash"]
 
 
@@ -170,3 +172,40 @@ async def test_import_reports_the_task_toml_keys_forkyard_does_not_use(gateway):
                                 "task.toml: [environment] gpus is not used by Forkyard"]
     listed = (await gateway.client.get(f"/v1/tasks/{item['id']}")).json()
     assert listed["warnings"] == []  # only the import answer carries them
+
+
+def test_decoded_tasks_drop_the_least_recently_used_past_their_byte_budget():
+    from gateway.tasks.service import DecodedTasks
+
+    (task,) = tasks_from_tar(_plain_tar("kept"))
+    cache = DecodedTasks(max_bytes=100)
+    cache.put("a", task, 40)
+    cache.put("b", task, 40)
+    assert cache.get("a") is task  # a is now the most recently used
+    cache.put("c", task, 40)  # over budget: b goes
+    assert cache.get("b") is None and cache.get("a") is task and cache.get("c") is task
+    cache.put("huge", task, 101)  # larger than the whole budget: never kept
+    assert cache.get("huge") is None and cache.get("a") is task
+
+
+async def test_a_stored_task_is_decoded_once_per_process(gateway, monkeypatch):
+    from gateway.tasks import service as tasks_service
+
+    response = await gateway.client.post("/v1/tasks", content=_plain_tar("decoded-once"),
+                                         headers={"Content-Type": "application/x-tar"})
+    assert response.status_code == 201, response.text
+    task_id = response.json()["items"][0]["id"]
+    decodes = []
+    real = tasks_service.tasks_from_tar
+    monkeypatch.setattr(tasks_service, "tasks_from_tar", lambda data: decodes.append(len(data)) or real(data))
+    monkeypatch.setattr(tasks_service, "decoded_tasks", tasks_service.DecodedTasks())
+    async with gateway.app.state.sessionmaker() as db:
+        first = await tasks_service.load_terminal_task(db_session=db, task_id=task_id)
+        second = await tasks_service.load_terminal_task(db_session=db, task_id=task_id)
+        with pytest.raises(NotFoundError):
+            await tasks_service.load_terminal_task(db_session=db, task_id="task_missing")
+    assert first is second and first.name == "decoded-once" and len(decodes) == 1
+
+
+def _plain_tar(name: str) -> bytes:
+    return tar_of({name: task_files(name)}, gz=False)
