@@ -63,7 +63,8 @@ def build_runtime(settings: Settings) -> WorkerRuntime:
     from workers.trust import read_ca_bundle
 
     return WorkerRuntime(backend, image_cache_dir=settings.image_cache_dir, setup_cache=cache,
-                         ca_bundle=read_ca_bundle(settings.ca_bundle), stand_ins=settings.images.stand_ins)
+                         ca_bundle=read_ca_bundle(settings.ca_bundle), stand_ins=settings.images.stand_ins,
+                         image_max_bytes=settings.images.max_bytes or None)
 
 
 def _log_progress(line: str) -> None:

@@ -205,27 +205,21 @@ def cmd_images_prune(args: argparse.Namespace) -> int:
 
 async def _prune_images(settings: Settings, kinds: Sequence[str], *, dry_run: bool) -> int:
     from sandboxes.errors import SandboxError
-    from workers.dockerfile import ENV_IMAGE_NAME
+    from workers.images import prune_images
 
     for kind in kinds:
         backend = _cli_backend(settings, kind)
-        freed = kept = 0
         try:
-            for image in await backend.list_images(ENV_IMAGE_NAME):
-                if image.in_use:
-                    kept += 1
-                    continue
-                if not dry_run:
-                    await backend.remove_image(image.ref)
-                freed += image.size_bytes
-                print(f"{backend.name}  {'would remove' if dry_run else 'removed'}  {image.ref}  "
-                      f"{image.size_bytes / 2**20:.1f} MiB", flush=True)
+            report = await prune_images(backend, dry_run=dry_run)
         except SandboxError as exc:
             raise CLIError(f"pruning images on {backend.name} failed: {exc}") from exc
         finally:
             await backend.aclose()
-        _stderr(f"forkyard: {backend.name}: {'would free' if dry_run else 'freed'} {freed / 2**20:.1f} MiB; "
-                f"{kept} image(s) in use kept")
+        for image in report.removed:
+            print(f"{backend.name}  {'would remove' if dry_run else 'removed'}  {image.ref}  "
+                  f"{image.size_bytes / 2**20:.1f} MiB", flush=True)
+        _stderr(f"forkyard: {backend.name}: {'would free' if dry_run else 'freed'} {report.freed_bytes / 2**20:.1f} "
+                f"MiB; {report.in_use} image(s) in use kept")
     return 0
 
 

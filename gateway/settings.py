@@ -50,6 +50,9 @@ class ImageSettings(BaseModel):
     stand_ins: dict[str, str] = Field(default_factory=lambda: dict(_default_stand_ins()))
     """Image name pattern (fnmatch) -> stand-in (base, python, gcc, golang, node, rust), first match wins
     (``FORKYARD_IMAGES__STAND_INS``, JSON); a real image this host has always wins."""
+    max_bytes: int = Field(default=30 * 1024**3, ge=0)
+    """Cap on the bytes of built task and stand-in images (``FORKYARD_IMAGES__MAX_BYTES``): past it the oldest
+    that no sandbox uses are removed (they rebuild on demand); 0: no cap."""
 
     @model_validator(mode="after")
     def _known(self) -> ImageSettings:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 #: Metadata keys of the snapshots a trajectory tree (``forkyard.tree``), a lazy-fork group
 #: (``forkyard.shared``) or a verifier's fork (``forkyard.verifier``) takes; nothing outlives them.
 TRANSIENT_SNAPSHOT_KEYS = frozenset({"forkyard.tree", "forkyard.shared", "forkyard.verifier"})
+#: A built image handed out for a sandbox this recently is never removed by the image cap.
+IMAGE_KEEP_S = 600.0
 #: Metadata key of the snapshots the sessions API takes (the session id); the gateway's rows track them.
 SESSION_SNAPSHOT_KEY = "forkyard.session"
 
@@ -96,8 +99,11 @@ class WorkerRuntime:
         base_image: str | None = None,
         setup_cache: SetupCache | None = None,
         ca_bundle: bytes | None = None,
+        image_max_bytes: int | None = None,
     ) -> None:
         self.backend = backend
+        self.image_max_bytes = image_max_bytes
+        """Cap on the bytes of built task and stand-in images (:mod:`workers.images`); None: no cap."""
         self.ca_bundle = ca_bundle
         """The host's CA certificates, trusted in builds and networked sandboxes (:mod:`workers.trust`)."""
         self.image_cache_dir = Path(image_cache_dir)
@@ -111,6 +117,8 @@ class WorkerRuntime:
         self._envs: dict[str, TerminalEnv] = {}
         self._running_steps: dict[str, asyncio.Future[StepResult]] = {}
         self._build_locks: dict[str, asyncio.Lock] = {}
+        self._images_handed_out: dict[str, float] = {}  # image ref -> when a sandbox last asked for it (monotonic)
+        self._capping: asyncio.Task[None] | None = None
 
     @property
     def node(self) -> str:
@@ -131,8 +139,38 @@ class WorkerRuntime:
 
         A real image this host has wins; else the image's stand-in (:mod:`workers.standins`);
         else, for a ``docker_image`` no stand-in covers, the task's own Dockerfile, as
-        Harbor's ``--force-build`` does (every TB2 task names a prebuilt image).
+        Harbor's ``--force-build`` does (every TB2 task names a prebuilt image). The first
+        time this runtime hands out an image, the built images are pruned to the cap
+        (:attr:`image_max_bytes`) in the background.
         """
+        ref = await self._task_image(task, progress=progress)
+        first = ref not in self._images_handed_out
+        self._images_handed_out[ref] = time.monotonic()
+        if first and self.image_max_bytes is not None and (self._capping is None or self._capping.done()):
+            self._capping = asyncio.create_task(self._cap_images(), name="image cap")
+        return ref
+
+    async def _cap_images(self) -> None:
+        """Remove the oldest built images no sandbox uses until they fit the cap; never one handed out lately."""
+        from workers.images import prune_images
+
+        assert self.image_max_bytes is not None
+        now = time.monotonic()
+        recent = {ref for ref, at in self._images_handed_out.items() if now - at < IMAGE_KEEP_S}
+        try:
+            report = await prune_images(self.backend, max_bytes=self.image_max_bytes, keep=recent)
+        except Exception:
+            logger.exception("keeping the built images under %d bytes failed", self.image_max_bytes)
+            return
+        if report.removed:
+            logger.info("removed %d built image(s) (%.1f MiB) to keep under the cap of %.1f MiB: %s",
+                        len(report.removed), report.freed_bytes / 2**20, self.image_max_bytes / 2**20,
+                        ", ".join(i.ref for i in report.removed))
+        if report.total_bytes > self.image_max_bytes:
+            logger.warning("built images hold %.1f MiB, over the cap of %.1f MiB: %d of them are in use",
+                           report.total_bytes / 2**20, self.image_max_bytes / 2**20, report.in_use)
+
+    async def _task_image(self, task: TerminalTask, *, progress: Callable[[str], None] | None = None) -> str:
         if self.base_image is None:
             await self.start(progress=progress)
         assert self.base_image is not None
@@ -399,6 +437,9 @@ class WorkerRuntime:
 
     async def aclose(self) -> None:
         """Close every session, then the backend."""
+        if self._capping is not None:
+            self._capping.cancel()
+            await asyncio.gather(self._capping, return_exceptions=True)
         for session_id in list(self._envs):
             try:
                 await self.close_session(session_id)

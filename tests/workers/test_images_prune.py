@@ -67,3 +67,60 @@ async def test_docker_lists_built_images_with_their_use():
         assert ref not in {i.ref for i in await backend.list_images(ENV_IMAGE_NAME)}
     finally:
         await backend.aclose()
+
+
+@pytest.mark.local
+async def test_the_cap_removes_the_oldest_unused_images_until_the_rest_fit(
+    backend_root, base_rootfs, node_name  # noqa: F811
+):
+    from workers.images import prune_images
+
+    async for backend in local_backend(backend_root / "sandboxes", base_rootfs, node_name):
+        # Three images of 1 MiB of their own each, oldest first; the oldest is in use, the newest kept.
+        refs = [await build_task_image(backend, dockerfile=f"FROM base\nRUN head -c 1048576 /dev/urandom > /blob"
+                                       f"\nRUN echo {uuid.uuid4().hex} > /id\n", context={}, base_image=BASE_REF,
+                                       aliases={}) for _ in range(4)]
+        in_use, oldest_free, middle, kept = refs
+        info = await backend.create(SandboxSpec(image=in_use))
+        sizes = {i.ref: i.size_bytes for i in await backend.list_images(ENV_IMAGE_NAME)}
+        assert all(sizes[r] >= 1 << 20 for r in refs)
+        total = sum(sizes.values())
+        dry = await prune_images(backend, max_bytes=total - 1, keep={kept}, dry_run=True)
+        assert [i.ref for i in dry.removed] == [oldest_free] and await backend.has_image(oldest_free)
+        # A cap below what the images in use hold removes every other one and says what is left.
+        report = await prune_images(backend, max_bytes=sizes[in_use], keep={kept})
+        assert [i.ref for i in report.removed] == [oldest_free, middle]
+        assert report.freed_bytes == sizes[oldest_free] + sizes[middle] and report.in_use == 2
+        assert report.total_bytes == total - report.freed_bytes
+        assert not await backend.has_image(oldest_free) and not await backend.has_image(middle)
+        assert await backend.has_image(in_use) and await backend.has_image(kept)
+        assert (await backend.exec(info.id, "test -s /blob && cat /id")).exit_code == 0
+        await backend.destroy(info.id)
+        for ref in (in_use, kept):
+            await backend.remove_image(ref)
+
+
+@pytest.mark.local
+async def test_the_runtime_keeps_built_images_under_its_cap_but_never_the_one_it_hands_out(
+    backend_root, base_rootfs, node_name  # noqa: F811
+):
+    from pathlib import Path
+
+    from workers.runtime import WorkerRuntime
+    from workers.tasks import load_task_files
+
+    async for backend in local_backend(backend_root / "sandboxes", base_rootfs, node_name):
+        stale = await build_task_image(backend, dockerfile=f"FROM base\nRUN echo {uuid.uuid4().hex} > /stale\n",
+                                       context={}, base_image=BASE_REF, aliases={})
+        runtime = WorkerRuntime(backend, image_cache_dir=Path("/var/cache/forkyard/images"), base_image=BASE_REF,
+                                image_max_bytes=1)
+        task = load_task_files("capped", {
+            "instruction.md": b"x\n", "task.toml": b"[environment]\n",
+            "tests/test.sh": b"#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n",
+            "environment/Dockerfile": f"FROM base\nRUN echo {uuid.uuid4().hex} > /fresh\n".encode(),
+        })
+        fresh = await runtime.task_image(task)
+        assert runtime._capping is not None
+        await runtime._capping  # the cap runs behind the build
+        assert not await backend.has_image(stale) and await backend.has_image(fresh)
+        await backend.remove_image(fresh)
