@@ -48,7 +48,7 @@ class ImageSettings(BaseModel):
     """How task images are found when no image registry answers (:mod:`workers.standins`)."""
 
     stand_ins: dict[str, str] = Field(default_factory=lambda: dict(_default_stand_ins()))
-    """Image name pattern (fnmatch) -> stand-in (base, python, gcc, golang, node, rust), first match wins
+    """Image name pattern (fnmatch) -> stand-in (base, python, gcc, golang, node, rust, java), first match wins
     (``FORKYARD_IMAGES__STAND_INS``, JSON); a real image this host has always wins."""
     max_bytes: int = Field(default=30 * 1024**3, ge=0)
     """Cap on the bytes of built task and stand-in images (``FORKYARD_IMAGES__MAX_BYTES``): past it the oldest

@@ -3,12 +3,13 @@
 A stand-in is the base image (Debian 12) plus a recipe that makes it behave like the
 image it stands for: ``python:*`` gets ``python`` and ``pip`` (Debian's, with
 ``PIP_BREAK_SYSTEM_PACKAGES=1`` as in the official images, where pip installs system-wide)
-and ``venv``; ``gcc:*``, ``golang:*``, ``node:*``, ``rust:*`` get the toolchain from Debian.
+and ``venv``; ``gcc:*``, ``golang:*``, ``node:*``, ``rust:*`` get the toolchain from Debian, and
+``eclipse-temurin:*``, ``openjdk:*``, ``amazoncorretto:*`` its JDK (``JAVA_HOME`` set).
 Each is built once per backend, like any task image, with the build's network. Which
 names map to which stand-in is a setting (``FORKYARD_IMAGES__STAND_INS``: fnmatch
 pattern to stand-in, first match wins); a real image this host has always wins.
 
-The versions are Debian 12's (Python 3.11, GCC 12, Go 1.19, Node 18, Rust 1.63), not the
+The versions are Debian 12's (Python 3.11, GCC 12, Go 1.19, Node 18, Rust 1.63, Java 17), not the
 tag's: a task pinned to a newer toolchain may need its real image imported.
 """
 
@@ -29,6 +30,7 @@ RECIPES: Mapping[str, str] = {
     "golang": _APT.format("golang-go gcc libc6-dev") + "ENV GOPATH=/go PATH=/go/bin:$PATH\n",
     "node": _APT.format("nodejs npm"),
     "rust": _APT.format("rustc cargo gcc libc6-dev"),
+    "java": _APT.format("default-jdk-headless") + "ENV JAVA_HOME=/usr/lib/jvm/default-java\n",
 }
 
 #: Image name patterns (after ``docker.io/library/`` is dropped and ``:latest`` added) -> stand-in.
@@ -41,6 +43,9 @@ DEFAULT_STAND_INS: Mapping[str, str] = {
     "golang:*": "golang",
     "node:*": "node",
     "rust:*": "rust",
+    "eclipse-temurin:*": "java",
+    "openjdk:*": "java",
+    "amazoncorretto:*": "java",
 }
 
 

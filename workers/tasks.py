@@ -41,7 +41,7 @@ import stat
 import tarfile
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -75,13 +75,14 @@ DEFAULT_ALLOW_INTERNET = True
 
 #: The ``task.toml`` keys Forkyard reads, by table; any other is reported at import.
 USED_KEYS: Mapping[str, frozenset[str]] = MappingProxyType({
-    "": frozenset({"version", "schema_version", "task", "metadata", "agent", "verifier", "environment"}),
+    "": frozenset({"version", "schema_version", "task", "metadata", "agent", "verifier", "environment", "solution"}),
     "task": frozenset({"name", "description", "authors", "keywords"}),
     "agent": frozenset({"timeout_sec"}),
-    "verifier": frozenset({"timeout_sec"}),
+    "verifier": frozenset({"timeout_sec", "env"}),
+    "solution": frozenset({"env"}),
     "environment": frozenset({
         "docker_image", "cpus", "memory", "memory_mb", "storage", "storage_mb", "network", "allow_internet",
-        "setup_timeout_sec", "deterministic_tools",
+        "setup_timeout_sec", "deterministic_tools", "env",
     }),
 })  # fmt: skip
 
@@ -127,6 +128,12 @@ class TerminalTask:
     """sha256 hex of a canonical encoding of the name and the files."""
     warnings: tuple[str, ...] = ()
     """What of ``task.toml`` Forkyard does not use (reported at import, never silently dropped)."""
+    environment_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """``[environment] env``: variables every shell of the task's sandboxes starts with."""
+    verifier_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """``[verifier] env``: variables ``tests/test.sh`` runs with (beside the image's)."""
+    solution_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """``[solution] env``: variables ``solution/solve.sh`` runs with."""
 
     def __hash__(self) -> int:
         return hash((self.name, self.content_hash))
@@ -257,7 +264,21 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
     package = _table(config, "task")
     if package:
         metadata = {**metadata, "package": package}
+    if "steps" in config:
+        # Harbor runs each step with its own instruction and tests; graded by the top-level
+        # tests/ alone (often a placeholder writing 1), any episode would score as they say.
+        raise TaskFormatError(
+            f"{CONFIG_FILE}: [[steps]] (a multi-step task) is not supported: each step's instruction and tests "
+            "would be skipped and tests/test.sh would grade the whole episode",
+            file=CONFIG_FILE, field="steps",
+        )
     warnings = unused_keys(config)
+    envs = {section: _env_table(config, section) for section in ("environment", "verifier", "solution")}
+    for section, env in envs.items():
+        templated = sorted(k for k, v in env.items() if "${" in v)
+        if templated:
+            warnings = (*warnings, f"[{section}] env {', '.join(templated)}: passed as written; Forkyard does not "
+                                   "expand the host's variables into a task")
 
     agent_timeout = _positive_number(agent, "agent", "timeout_sec", DEFAULT_AGENT_TIMEOUT_S)
     verifier_timeout = _positive_number(verifier, "verifier", "timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S)
@@ -322,6 +343,9 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
         files=MappingProxyType(ordered),
         content_hash=content_hash(name, ordered),
         warnings=warnings,
+        environment_env=MappingProxyType(envs["environment"]),
+        verifier_env=MappingProxyType(envs["verifier"]),
+        solution_env=MappingProxyType(envs["solution"]),
     )
 
 
@@ -387,6 +411,26 @@ def _parse_config(text: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise TaskFormatError(f"{CONFIG_FILE}: invalid TOML: {exc}", file=CONFIG_FILE) from exc
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+
+
+def _env_table(config: Mapping[str, Any], section: str) -> dict[str, str]:
+    """Return ``[section] env`` (variable name -> string value), validated."""
+    env = _table(config, section).get("env", {})
+    field = f"{section}.env"
+    if not isinstance(env, dict):
+        raise TaskFormatError(f"{CONFIG_FILE}: [{section}] env must be a table of names to strings, got {env!r}",
+                              file=CONFIG_FILE, field=field)
+    for key, value in env.items():
+        if not _ENV_NAME.match(key):
+            raise TaskFormatError(f"{CONFIG_FILE}: [{section}] env: {key!r} is not a variable name",
+                                  file=CONFIG_FILE, field=field)
+        if not isinstance(value, str) or "\0" in value:
+            raise TaskFormatError(f"{CONFIG_FILE}: [{section}] env {key} must be a string, got {value!r}",
+                                  file=CONFIG_FILE, field=field)
+    return dict(env)
 
 
 def _table(config: Mapping[str, Any], key: str) -> dict[str, Any]:

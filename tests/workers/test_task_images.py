@@ -112,6 +112,19 @@ async def test_a_toolchain_stand_in_and_an_unmapped_image(runtime):
         runtime.stand_ins = None
 
 
+@pytest.mark.local
+async def test_the_java_stand_in_compiles_and_runs_java(runtime):
+    """eclipse-temurin:* (18 of 116 tasks in two public TB2 suites) gets Debian's JDK and JAVA_HOME."""
+    if runtime.backend.name != "local":
+        pytest.skip("one backend is enough for a toolchain (the recipe is the same)")
+    dockerfile = (b"FROM eclipse-temurin:17-jdk\n"
+                  b"RUN mkdir /src && printf 'class M { public static void main(String[] a) { System.exit(5); } }' "
+                  b"> /src/M.java && javac -d /src /src/M.java\n")
+    image = await runtime.task_image(task("", dockerfile))
+    assert await read(runtime, image, 'java -cp /src M; echo $? "$JAVA_HOME"; test -x "$JAVA_HOME/bin/java" && echo ok'
+                      ) == "5 /usr/lib/jvm/default-java\nok\n"
+
+
 def test_mirror_names_and_digests_of_official_images_find_their_stand_in():
     """TB2 tasks start FROM public.ecr.aws/docker/library/debian:bookworm-slim@sha256:..."""
     from workers.standins import stand_in_for

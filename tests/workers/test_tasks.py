@@ -445,3 +445,34 @@ def test_task_is_a_frozen_value() -> None:
         task.name = "other"  # type: ignore[misc]
     with pytest.raises(TypeError):
         task.files["x"] = b"y"  # type: ignore[index]
+
+
+def test_multi_step_tasks_are_refused_not_graded_by_their_placeholder_tests():
+    """Harbor's [[steps]] run each step's own tests; the top-level tests/ of such a task may just write 1."""
+    files = {"instruction.md": b"x\n", "task.toml": b'[[steps]]\nname = "one"\n[[steps]]\nname = "two"\n',
+             "environment/Dockerfile": b"FROM ubuntu:24.04\n", "tests/test.sh": b"echo 1 > /logs/verifier/reward.txt\n"}
+    with pytest.raises(TaskFormatError, match=r"\[\[steps\]\].*not supported") as caught:
+        load_task_files("multi", files)
+    assert caught.value.field == "steps"
+
+
+@pytest.mark.parametrize(("toml", "message"), [
+    (b"[verifier]\nenv = 3\n", "must be a table"),
+    (b'[verifier]\nenv = { "1BAD" = "x" }\n', "not a variable name"),
+    (b"[solution]\nenv = { N = 3 }\n", "must be a string"),
+])
+def test_env_tables_are_validated(toml, message):
+    files = {"instruction.md": b"x\n", "task.toml": toml, "environment/Dockerfile": b"FROM ubuntu:24.04\n",
+             "tests/test.sh": b"true\n"}
+    with pytest.raises(TaskFormatError, match=message):
+        load_task_files("envs", files)
+
+
+def test_env_tables_are_read_and_host_templates_are_reported_not_expanded():
+    files = {"instruction.md": b"x\n", "environment/Dockerfile": b"FROM ubuntu:24.04\n", "tests/test.sh": b"true\n",
+             "task.toml": b'[environment]\nenv = { A = "1" }\n[verifier]\nenv = { KEY = "${OPENAI_API_KEY}" }\n'}
+    task = load_task_files("envs", files)
+    assert dict(task.environment_env) == {"A": "1"} and dict(task.verifier_env) == {"KEY": "${OPENAI_API_KEY}"}
+    assert dict(task.solution_env) == {}
+    assert any("[verifier] env KEY: passed as written" in w for w in task.warnings)
+    assert not any("is not used" in w for w in task.warnings)

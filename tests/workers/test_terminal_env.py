@@ -475,6 +475,36 @@ async def test_scripted_oracle_runs_solve_sh_from_solution_with_no_stdin(harness
         assert result.reward == 1.0, result.info
 
 
+def env_tables_task() -> TerminalTask:
+    """A task whose sandbox, oracle and verifier each see only their own ``env`` table of task.toml."""
+    return load_task_files("env-tables", {
+        "instruction.md": b"x\n",
+        "task.toml": (b'[environment]\nallow_internet = false\nenv = { STAGE = "sandbox" }\n'
+                      b'[solution]\nenv = { ANSWER = "it is 42" }\n[verifier]\nenv = { EXPECTED = "it is 42" }\n'),
+        "environment/Dockerfile": PROBE_DOCKERFILE,
+        "solution/solve.sh": b'#!/bin/bash\necho "$STAGE|$ANSWER|${EXPECTED:-unset}" > /app/seen\n',
+        "tests/test.sh": (b'#!/bin/bash\nif [ "$(cat /app/seen)" = "sandbox|$EXPECTED|unset" ] && [ -z "$ANSWER" ]; '
+                          b'then echo 1; else echo 0; fi > /logs/verifier/reward.txt\ncat /app/seen\n'),
+    })
+
+
+@pytest.mark.parametrize("oracle", ["scripted", "run_oracle"])
+async def test_env_tables_reach_the_sandbox_the_oracle_and_the_verifier(harness: Harness, oracle: str) -> None:
+    """Harbor's [environment] env, [solution] env and [verifier] env, each where Harbor sets it."""
+    from workers.policy.scripted import oracle_actions
+
+    task = env_tables_task()
+    async with harness.env(task) as env:
+        assert (await env.step("bash", {"command": 'echo "$STAGE"'})).observation.startswith("sandbox\n")
+        if oracle == "run_oracle":
+            result = await env.run_oracle()
+        else:
+            bash_call, submit = oracle_actions(task)
+            assert (await env.step(bash_call["tool"], bash_call["arguments"])).info["exit_code"] == 0
+            result = await env.step(submit["tool"], submit["arguments"])
+        assert result.reward == 1.0, result.info
+
+
 @pytest.mark.parametrize(("environment", "networked"), [("", True), ("allow_internet = false", False)])
 async def test_runs_get_harbors_internet_default_unless_the_task_says_otherwise(
     harness: Harness, environment: str, networked: bool

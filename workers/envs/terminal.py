@@ -318,7 +318,7 @@ class TerminalEnv:
             timeout = max(self.time_left(), 1.0)
             result = await self.backend.exec(
                 sandbox_id,
-                self._clean_command(f"{SOLUTION_DIR}/solve.sh"),
+                self._clean_command(f"{SOLUTION_DIR}/solve.sh", self.task.solution_env),
                 timeout_s=timeout,
                 max_output_bytes=self.max_output_bytes,
             )
@@ -418,7 +418,7 @@ class TerminalEnv:
             image=self.image,
             resources=Resources(cpus=self.task.cpus, memory_mb=self.task.memory_mb, disk_mb=self.task.disk_mb),
             network=self.task.network,
-            env=ca_env() if self.ca_bundle is not None else {},
+            env={**self.task.environment_env, **(ca_env() if self.ca_bundle is not None else {})},
             labels=self.labels,
         )
 
@@ -600,15 +600,18 @@ class TerminalEnv:
                 env[key] = value
         return env
 
-    def _clean_command(self, script: str) -> str:
-        """Return a command running ``bash script`` from the workdir with the image's environment.
+    def _clean_command(self, script: str, env: Mapping[str, str] | None = None) -> str:
+        """Return a command running ``bash script`` from the workdir with the image's environment and ``env``.
 
         Variables the agent exported (PATH, PYTHONPATH...) must not steer the verifier.
         """
         run = f"bash {shlex.quote(script)}"
+        extra = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted((env or {}).items()))
         if self._initial_env is not None:
             assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(self._initial_env.items()))
-            run = f"command -p env -i {assignments} {run}"
+            run = f"command -p env -i {assignments} {extra} {run}"
+        elif extra:
+            run = f"command -p env {extra} {run}"
         return f"(cd {shlex.quote(self.workdir or '/')} && {run})"
 
     async def _bash(self, command: str, requested: float | None) -> StepResult:
@@ -716,7 +719,7 @@ class TerminalEnv:
             timeout = self.task.verifier_timeout_s
             result = await self.backend.exec(
                 sandbox_id,
-                self._clean_command(f"{TESTS_DIR}/test.sh"),
+                self._clean_command(f"{TESTS_DIR}/test.sh", self.task.verifier_env),
                 timeout_s=timeout,
                 max_output_bytes=_VERIFIER_OUTPUT_BYTES,
             )

@@ -19,6 +19,7 @@ import base64
 import gzip
 import io
 import random
+import shlex
 import tarfile
 import time
 from collections.abc import Mapping, Sequence
@@ -60,12 +61,19 @@ def oracle_actions(task: TerminalTask) -> list[dict[str, Any]]:
     command = (
         f"rm -rf {ORACLE_DIR} && mkdir -p {ORACLE_DIR} && "
         f"printf %s '{packed}' | base64 -d | tar -xzf - -C {ORACLE_DIR} --no-same-owner && "
-        f"bash {ORACLE_DIR}/solve.sh < /dev/null"
+        f"{_env_prefix(task.solution_env)}bash {ORACLE_DIR}/solve.sh < /dev/null"
     )
     return [
         {"tool": "bash", "arguments": {"command": command, "timeout": task.agent_timeout_s}},
         {"tool": "submit", "arguments": {}},
     ]
+
+
+def _env_prefix(env: Mapping[str, str]) -> str:
+    """Return ``env K=V ... `` for a command run with ``env`` added ("" for none)."""
+    if not env:
+        return ""
+    return "env " + " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items())) + " "
 
 
 def _check_action(action: Any, where: str) -> dict[str, Any]:
