@@ -12,7 +12,8 @@ and the ``FROM`` image, so the same task is built once per backend.
 
 Parsing and planning are pure functions (:func:`parse_dockerfile`, :func:`parse_stage`,
 :func:`compile_stage`); only :func:`build_task_image` talks to a backend. One stage
-only: a second ``FROM``, ``COPY --from`` and heredocs are refused with the line number.
+only: a second ``FROM``, ``COPY --from`` and heredocs outside ``RUN`` are refused with the line
+number. ``RUN`` heredocs run as BuildKit runs them (the shell reads them; a bare one is the script).
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ METADATA_OPS = frozenset(
 _NEEDS_ARGS = KNOWN_OPS - {"HEALTHCHECK"}
 _CONTINUATION = re.compile(r"\\[ \t]*$")
 _DIRECTIVE = re.compile(r"^#\s*([A-Za-z][A-Za-z0-9_-]*)\s*=\s*(.*?)\s*$")
-_HEREDOC = re.compile(r"(?<![<\w])<<-?\s*([\"']?)[A-Za-z_][\w.-]*\1")
+_HEREDOC = re.compile(r"(?<![<\w])<<(-?)\s*([\"']?)([A-Za-z_][\w.-]*)\2")
+#: A RUN whose command is one heredoc and nothing else: the heredoc is the script (BuildKit's rule).
+_BARE_HEREDOC = re.compile(r"^<<(-?)\s*([\"']?)([A-Za-z_][\w.-]*)\2$")
 _NAME_CHARS = re.compile(r"[A-Za-z0-9_]+")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
@@ -180,10 +183,45 @@ def parse_dockerfile(text: str) -> list[Instruction]:
             raise DockerfileError(start, f"unknown instruction {parts[0]!r}")
         if op in _NEEDS_ARGS and not args:
             raise DockerfileError(start, f"{op} needs at least one argument")
-        if op in ("RUN", "COPY", "ADD") and _HEREDOC.search(args):
-            raise DockerfileError(start, f"heredocs (<<EOF) in {op} are not supported")
+        markers = list(_HEREDOC.finditer(args)) if op in ("RUN", "COPY", "ADD") else []
+        if markers and op != "RUN":
+            raise DockerfileError(start, f"heredocs (<<EOF) in {op} are not supported (in RUN they are)")
+        for marker in markers:  # each heredoc's lines follow the instruction's, in order, as in a shell
+            strip_tabs, delimiter = marker.group(1) == "-", marker.group(3)
+            body: list[str] = []
+            while True:
+                if i >= len(lines):
+                    raise DockerfileError(start, f"the heredoc <<{delimiter} is not closed by a line {delimiter}")
+                line = lines[i]
+                i += 1
+                if (line.lstrip("\t") if strip_tabs else line) == delimiter:
+                    break
+                body.append(line)
+            args += "\n" + "\n".join([*body, delimiter])
         instructions.append(Instruction(start, op, args))
     return instructions
+
+
+def _heredoc_script(command: str) -> str:
+    """Return the shell text of a RUN command; a command that is one bare heredoc runs its body as the script.
+
+    ``RUN <<EOF`` (BuildKit) runs the heredoc's lines, or the program its ``#!`` line names;
+    any other command holding heredocs is shell text as it stands (the shell reads them).
+    """
+    first, _, rest = command.partition("\n")
+    bare = _BARE_HEREDOC.match(first.strip())
+    if bare is None or not rest:
+        return command
+    body = rest.split("\n")[:-1]  # the last line is the delimiter
+    if bare.group(1) == "-":
+        body = [line.lstrip("\t") for line in body]
+    script = "\n".join(body)
+    if not script.startswith("#!"):
+        return script
+    # A script with its own interpreter runs as a file, as BuildKit runs it.
+    fence = "FORKYARD_HEREDOC_" + hashlib.sha256(script.encode()).hexdigest()[:12]
+    return (f'f=$(mktemp) && cat > "$f" <<\'{fence}\'\n{script}\n{fence}\n'
+            'chmod +x "$f" && "$f"; status=$?; rm -f "$f"; exit $status')
 
 
 def parse_exec_form(args: str) -> list[str] | None:
@@ -651,7 +689,7 @@ def _compile_run(ins: Instruction, state: _State) -> RunStep:
         raise ValueError("needs a command")
     argv = parse_exec_form(rest)
     if argv is None:
-        argv = [*state.shell, rest]
+        argv = [*state.shell, _heredoc_script(rest)]
     elif not argv:
         raise ValueError("has an empty command")
     env = state.variables()

@@ -83,8 +83,8 @@ def test_crlf_and_a_continuation_at_end_of_file():
     [
         ("FROM base\nRUN true\nFROBNICATE x\n", 3, "unknown instruction 'FROBNICATE'"),
         ("FROM base\n\nRUN\n", 3, "RUN needs at least one argument"),
-        ("FROM base\nRUN <<EOF\necho hi\nEOF\n", 2, "heredocs"),
-        ("FROM base\nCOPY <<-'END' /x\nhi\nEND\n", 2, "heredocs"),
+        ("FROM base\nRUN <<EOF\necho hi\nEOF-not\n", 2, "heredoc <<EOF is not closed"),
+        ("FROM base\nCOPY <<-'END' /x\nhi\nEND\n", 2, "heredocs (<<EOF) in COPY are not supported"),
         ("# escape=`\nFROM base\n", 1, "escape directive"),
     ],
 )
@@ -93,6 +93,21 @@ def test_parse_errors_name_the_line(text, line, fragment):
         parse_dockerfile(text)
     assert error_line(info) == line
     assert fragment in str(info.value)
+
+
+def test_run_heredocs_take_their_lines_and_a_bare_one_is_the_script():
+    from workers.dockerfile import _heredoc_script
+
+    parsed = parse_dockerfile(
+        "FROM base\nRUN <<EOF\necho a\necho b\nEOF\nRUN cat > /f <<'X' && cat - <<-Y\nkept $HOME\nX\n\tthen\n\tY\n"
+        "RUN echo after\n"
+    )
+    assert [(i.line, i.op) for i in parsed] == [(1, "FROM"), (2, "RUN"), (6, "RUN"), (11, "RUN")]
+    assert parsed[1].args == "<<EOF\necho a\necho b\nEOF" and _heredoc_script(parsed[1].args) == "echo a\necho b"
+    assert parsed[2].args == "cat > /f <<'X' && cat - <<-Y\nkept $HOME\nX\n\tthen\nY"
+    assert _heredoc_script(parsed[2].args) == parsed[2].args  # the shell reads these itself
+    shebang = _heredoc_script("<<-EOF\n\t#!/bin/bash\n\techo $BASH_VERSION\nEOF")
+    assert "#!/bin/bash\necho $BASH_VERSION" in shebang and shebang.startswith("f=$(mktemp)")
 
 
 def test_herestrings_and_shifts_are_not_heredocs():
@@ -460,6 +475,27 @@ async def test_build_applies_every_instruction(build_backend):
     finally:
         if sandbox_id is not None:
             await backend.destroy(sandbox_id)
+        await backend.remove_image(ref)
+
+
+async def test_run_heredocs_build_as_buildkit_runs_them(build_backend):
+    """4 of 116 Dockerfiles in two public TB2 suites use RUN heredocs (BuildKit syntax)."""
+    backend, base = build_backend.backend, build_backend.base
+    dockerfile = (
+        "FROM debian:bookworm\n"
+        "ENV WHO=builder\n"
+        "RUN <<EOF\nmkdir -p /out\necho \"one $WHO\" > /out/bare\nEOF\n"
+        "RUN <<'EOF'\n#!/bin/bash\n[[ -n $BASH_VERSION ]] && echo bash > /out/shebang\nEOF\n"
+        "RUN cat > /out/quoted <<'END' && cat > /out/expanded <<END2\n$WHO stays\nEND\n$WHO expands\nEND2\n"
+    )
+    ref = await build_task_image(backend, dockerfile=dockerfile, context={}, base_image=base)
+    sandbox_id = (await backend.create(SandboxSpec(image=ref))).id
+    try:
+        assert await _sh(backend, sandbox_id, "cat /out/bare /out/shebang /out/quoted /out/expanded") == (
+            "one builder\nbash\n$WHO stays\nbuilder expands"
+        )
+    finally:
+        await backend.destroy(sandbox_id)
         await backend.remove_image(ref)
 
 

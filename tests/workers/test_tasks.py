@@ -140,8 +140,8 @@ def test_schema_1_1_with_a_task_table_and_unused_fields_reported() -> None:
     assert task.metadata["package"] == {"name": "org/renamed", "keywords": ["x"]}
     assert task.verifier_timeout_s == 30.0 and task.network is False
     assert sorted(w.removeprefix("task.toml: ").removesuffix(" is not used by Forkyard") for w in task.warnings) == [
-        "[agent] user", "[environment] build_timeout_sec", "[environment] gpus", "[verifier] env", "solution",
-        "source"]
+        "[agent] user", "[environment] build_timeout_sec", "[environment] gpus", "source"]
+    assert dict(task.verifier_env) == {"TOKEN": "x"} and dict(task.solution_env) == {}
     # A task at an archive's top level takes its name from [task] name.
     (top,) = tasks_from_tar(make_tar(list(minimal_files(**{"task.toml": toml}).items())))
     assert top.name == "renamed" and top.warnings == task.warnings
