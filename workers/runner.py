@@ -214,6 +214,21 @@ class _Run:
         return {LABEL_OWNER: episode_id, "forkyard.task": self.task.name, **self.labels}
 
 
+#: Characters of the verifier's stdout and stderr an episode keeps (the tail: where test runners summarize).
+VERIFIER_TAIL_CHARS = 2048
+
+
+def verifier_summary(verifier: dict[str, Any]) -> dict[str, Any]:
+    """Return the verifier's exit code, timeout flag and the tails of its output, for an episode's info."""
+    summary: dict[str, Any] = {"exit_code": verifier.get("exit_code"), "timed_out": bool(verifier.get("timed_out"))}
+    for stream in ("stdout", "stderr"):
+        text = str(verifier.get(stream) or "")
+        summary[stream] = text[-VERIFIER_TAIL_CHARS:]
+        if len(text) > VERIFIER_TAIL_CHARS:
+            summary[f"{stream}_truncated"] = True
+    return summary
+
+
 async def run_episode(
     *,
     episode_id: str,
@@ -328,6 +343,8 @@ async def _drive(
         final = outcome.final
         status = "completed" if final.terminated else "truncated"
         info = {k: v for k, v in final.info.items() if k in ("reward_details", "verifier_error")}
+        if isinstance(final.info.get("verifier"), dict):  # why a reward is what it is, without a rerun
+            info["verifier"] = verifier_summary(final.info["verifier"])
         return result(status, outcome.termination, reward=final.reward, info=info)
     except _Stale as exc:
         return result("stale", "stale", error=str(exc))

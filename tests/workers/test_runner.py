@@ -70,10 +70,23 @@ async def test_oracle_completes_with_reward_one(runtime):
     assert result.messages[0]["role"] == "system" and result.messages[1]["content"] == TASK.instruction
 
 
-async def test_wrong_answer_scores_zero(runtime):
+async def test_wrong_answer_scores_zero_and_the_episode_says_what_the_verifier_printed(runtime):
     actions = [{"tool": "bash", "arguments": {"command": "echo 0 > /tmp/answer"}}, {"tool": "submit", "arguments": {}}]
     result, _ = await run(runtime, {"api": "scripted", "actions": actions})
     assert (result.status, result.reward) == ("completed", 0.0)
+    verifier = result.info["verifier"]  # a 0 with no verifier error is explained without a rerun
+    assert verifier["timed_out"] is False and isinstance(verifier["exit_code"], int)
+    assert "FAIL: /app/report.txt does not hold the expected report" in verifier["stdout"], verifier
+    assert len(verifier["stdout"]) <= 2048 and len(verifier["stderr"]) <= 2048
+
+
+def test_the_verifier_summary_keeps_the_tails():
+    from workers.runner import verifier_summary
+
+    summary = verifier_summary({"exit_code": 1, "stdout": "x" * 5000 + "FAILED test_a", "stderr": "", "timed_out": 0})
+    assert summary["stdout"].endswith("FAILED test_a") and len(summary["stdout"]) == 2048
+    assert summary["stdout_truncated"] is True and "stderr_truncated" not in summary
+    assert summary["exit_code"] == 1 and summary["timed_out"] is False
 
 
 async def test_max_turns_truncates_and_still_verifies(runtime):
