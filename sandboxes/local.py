@@ -92,6 +92,7 @@ from sandboxes.oci import (
     DEFAULT_ISOLATION,
     UID_BASE,
     UID_COUNT,
+    CompiledSeccomp,
     container_spec,
     crun_cgroup_problem,
     find_runtime,
@@ -540,6 +541,8 @@ class _Sandbox:
     destroyed: bool = False
     starts: int = 0
     """Shells started so far; each runs as container ``shell-<n>`` of the runtime."""
+    seccomp_to_learn: str | None = None
+    """The seccomp profile its latest shell's runtime compiled (none was known): keep the program."""
 
 
 
@@ -584,6 +587,7 @@ class LocalBackend:
         found = find_runtime(isolation, preferred=runtime, cgroup_root=cgroup_root)
         assert found is not None  # runtime_problem said it is there
         self.runtime = found
+        self._seccomp = CompiledSeccomp(found)
         if found.name == "runc" and runtime is None:
             logger.warning(
                 "local sandboxes run under runc, which starts each in ~40 ms (crun takes ~5): %s",
@@ -1236,6 +1240,7 @@ class LocalBackend:
         )  # fmt: skip
         spec["root"]["path"] = str(sb.merged)
         self.runtime.adapt_spec(spec, pids=sb.spec.resources.pids)
+        sb.seccomp_to_learn = self._seccomp.annotate(spec)
         _write_json(sb.dir / "config.json", spec)
         return self.runtime.run_argv(str(sb.dir), f"shell-{sb.starts}", str(sb.dir / "run"))
 
@@ -1283,6 +1288,8 @@ class LocalBackend:
             init_pid = _gvisor_sandbox_pid(shell.pid) if gvisor else _child_pid(shell.pid)
             if init_pid is None:
                 raise SandboxError(f"the shell of sandbox {sb.id} vanished while starting")
+            if sb.seccomp_to_learn is not None:
+                self._seccomp.learn(sb.seccomp_to_learn, sb.dir / "run" / f"shell-{sb.starts}")
             shell.init_pid, shell.init_start = init_pid, start_ticks(init_pid)
             await asyncio.shield(joining)
             # Two threads at once: one puts the shell into the cgroups and its namespaces (a

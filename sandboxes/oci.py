@@ -25,8 +25,11 @@ told to leave them alone.
 
 from __future__ import annotations
 
+import base64
 import errno
 import functools
+import hashlib
+import json
 import os
 import re
 import resource
@@ -138,6 +141,51 @@ class Runtime:
             raise NotImplementedError(f"{self.name}: the local backend reaches its sandboxes from the host")
         return [self.path, f"--root={state_dir}", *self.GVISOR_FLAGS, "exec", "--user=0:0", "--cap=CAP_KILL",
                 container_id, *argv]  # fmt: skip
+
+
+#: crun's annotation for a compiled seccomp filter (base64 BPF): crun loads it instead of compiling the profile.
+SECCOMP_BPF_ANNOTATION = "run.oci.seccomp_bpf_data"
+#: Largest filter the kernel loads: BPF_MAXINSNS instructions of 8 bytes.
+_MAX_BPF_BYTES = 4096 * 8
+
+
+class CompiledSeccomp:
+    """The filter crun compiled from each seccomp profile, handed back to it for later sandboxes.
+
+    crun compiles a spec's ``linux.seccomp`` with libseccomp at every start (about 2 ms of a
+    15 ms start here) and writes the program it loads to ``<state dir>/<container>/seccomp.bpf``.
+    The first sandbox of a profile is started as usual; its program, crun's own output for
+    that profile, is kept (in memory, by the profile's digest) and passed to later sandboxes
+    in :data:`SECCOMP_BPF_ANNOTATION`, the profile staying in the spec. crun only; the state
+    dir is root's alone, out of every sandbox's reach.
+    """
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.enabled = runtime.name == "crun"
+        self._programs: dict[str, str] = {}
+
+    def annotate(self, spec: dict) -> str | None:
+        """Add the compiled filter of ``spec``'s profile if known; else return the profile's key, to :meth:`learn`."""
+        profile = spec.get("linux", {}).get("seccomp")
+        if not self.enabled or profile is None:
+            return None
+        key = hashlib.sha256(json.dumps(profile, sort_keys=True).encode()).hexdigest()
+        program = self._programs.get(key)
+        if program is None:
+            return key
+        spec.setdefault("annotations", {})[SECCOMP_BPF_ANNOTATION] = program
+        return None
+
+    def learn(self, key: str, container_state: Path) -> None:
+        """Keep the filter crun compiled for profile ``key`` (from a started container's state dir), if sound."""
+        if key in self._programs:
+            return
+        try:
+            program = (container_state / "seccomp.bpf").read_bytes()
+        except OSError:
+            return  # compiled again next time
+        if program and len(program) % 8 == 0 and len(program) <= _MAX_BPF_BYTES:
+            self._programs[key] = base64.b64encode(program).decode("ascii")
 
 
 def _keep_tmp_on_disk(spec: dict, rootfs: Path) -> None:
@@ -358,6 +406,8 @@ def container_spec(
 
 
 __all__ = [
+    "SECCOMP_BPF_ANNOTATION",
+    "CompiledSeccomp",
     "DEFAULT_ISOLATION",
     "ISOLATION_TIERS",
     "KEEP_CAPS",

@@ -197,6 +197,27 @@ async def test_namespaces_and_dropped_capabilities(lb):
     assert r.stdout == "4\n"
 
 
+async def test_later_sandboxes_load_the_seccomp_filter_crun_compiled_for_the_first(lb):
+    """crun compiles the profile once per backend; the others get its program back and are filtered the same."""
+    import base64
+
+    if lb.runtime.name != "crun":
+        pytest.skip("only crun takes a compiled filter")
+    first, second = await lb.create(SPEC), await lb.create(SPEC)
+
+    def config(info):
+        return json.loads((lb._sandbox_dir(info.id) / "config.json").read_text())
+
+    assert oci.SECCOMP_BPF_ANNOTATION not in config(first).get("annotations", {})
+    handed = config(second)["annotations"][oci.SECCOMP_BPF_ANNOTATION]
+    compiled = (lb._sandbox_dir(first.id) / "run" / "shell-1" / "seccomp.bpf").read_bytes()
+    assert base64.b64decode(handed) == compiled and config(second)["linux"]["seccomp"] == config(first)["linux"]["seccomp"]
+    for info in (first, second):
+        r = await lb.exec(info.id, "grep -E '^Seccomp(_filters)?:' /proc/self/status; unshare -U true; echo rc=$?")
+        assert "Seccomp:\t2" in r.stdout and "Seccomp_filters:\t1" in r.stdout and "rc=1" in r.stdout, r
+        assert "Operation not permitted" in r.stderr, r
+
+
 async def test_image_user_runs_the_shell(lb, base_rootfs):
     await lb.import_rootfs(str(base_rootfs), "forkyard/base:nobody", ImageConfig(user="nobody", workdir="/tmp"))
     info = await lb.create(SandboxSpec(image="forkyard/base:nobody"))
