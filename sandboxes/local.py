@@ -246,7 +246,7 @@ def shift_ids(root: Path, base: int) -> None:
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
     with open(tmp, "w") as fh:
-        json.dump(data, fh)
+        fh.write(json.dumps(data))  # one write: json.dump streams hundreds of small ones (twice as slow)
     os.replace(tmp, path)
 
 

@@ -248,10 +248,18 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
                 raise TaskFormatError(f"{parent}: is both a file and a directory", file=parent)
             parent = parent.rpartition("/")[0]
 
+    config = _parse_config(_text(clean, CONFIG_FILE))
+    if "steps" in config:
+        # Harbor runs each step with its own instruction and tests; graded by the top-level
+        # tests/ alone (often a placeholder writing 1), any episode would score as they say.
+        raise TaskFormatError(
+            f"{CONFIG_FILE}: [[steps]] (a multi-step task) is not supported: each step's instruction and tests "
+            "would be skipped and tests/test.sh would grade the whole episode",
+            file=CONFIG_FILE, field="steps",
+        )
     instruction = _text(clean, INSTRUCTION_FILE)
     if not instruction.strip():
         raise TaskFormatError(f"{INSTRUCTION_FILE}: the instruction is empty", file=INSTRUCTION_FILE)
-    config = _parse_config(_text(clean, CONFIG_FILE))
 
     metadata = _table(config, "metadata")
     agent = _table(config, "agent")
@@ -264,14 +272,6 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
     package = _table(config, "task")
     if package:
         metadata = {**metadata, "package": package}
-    if "steps" in config:
-        # Harbor runs each step with its own instruction and tests; graded by the top-level
-        # tests/ alone (often a placeholder writing 1), any episode would score as they say.
-        raise TaskFormatError(
-            f"{CONFIG_FILE}: [[steps]] (a multi-step task) is not supported: each step's instruction and tests "
-            "would be skipped and tests/test.sh would grade the whole episode",
-            file=CONFIG_FILE, field="steps",
-        )
     warnings = unused_keys(config)
     envs = {section: _env_table(config, section) for section in ("environment", "verifier", "solution")}
     for section, env in envs.items():

@@ -454,6 +454,10 @@ def test_multi_step_tasks_are_refused_not_graded_by_their_placeholder_tests():
     with pytest.raises(TaskFormatError, match=r"\[\[steps\]\].*not supported") as caught:
         load_task_files("multi", files)
     assert caught.value.field == "steps"
+    # Such a task often has no top-level instruction.md (each step has its own): the answer says why all the same.
+    del files["instruction.md"]
+    with pytest.raises(TaskFormatError, match=r"\[\[steps\]\].*not supported"):
+        load_task_files("multi", files)
 
 
 @pytest.mark.parametrize(("toml", "message"), [
