@@ -11,7 +11,9 @@ Run with ``.venv/bin/python bench/sandboxes.py [--runs 50]`` as root after
   installed only in ``bench/.venv-swerex`` (created on first use).
 
 Prints p50 and p95 in milliseconds and ratios against the baselines. ``fork`` is the
-time per branch of one ``restore(snapshot, 8)``.
+time per branch of one ``restore(snapshot, 8)``, ``fork n=1`` one ``restore(snapshot, 1)``.
+``local (crun), seccomp compiled per start`` is the local backend before it reused the
+filter crun compiled for its first sandbox (the baseline of that change).
 """
 
 from __future__ import annotations
@@ -52,14 +54,22 @@ FORK_BRANCHES = 8
 
 
 async def bench_backend(
-    kind: str, runs: int, root: Path, *, isolation: str = "standard", runtime: str | None = None
+    kind: str, runs: int, root: Path, *, isolation: str = "standard", runtime: str | None = None,
+    compile_seccomp: bool = False,
 ) -> dict[str, list[float]]:
-    """Time the backend contract operations ``runs`` times each."""
-    backend = create_backend(kind, node="bench", root_dir=root / f"{kind}-{runtime or isolation}",
+    """Time the backend contract operations ``runs`` times each.
+
+    ``compile_seccomp``: the baseline of the compiled-filter reuse (local, crun): every
+    start has crun compile the seccomp profile, as before the reuse.
+    """
+    backend = create_backend(kind, node="bench", root_dir=root / f"{kind}-{runtime or isolation}-{compile_seccomp}",
                              isolation=isolation, runtime=runtime)
+    if compile_seccomp:
+        backend._seccomp.enabled = False
     image = await ensure_base_image(backend, DEFAULT_IMAGE_CACHE)
     spec = SandboxSpec(image=image)
-    out: dict[str, list[float]] = {"create": [], "exec": [], "write": [], "snapshot": [], "fork": [], "destroy": []}
+    out: dict[str, list[float]] = {"create": [], "exec": [], "write": [], "snapshot": [], "fork": [], "fork n=1": [],
+                                   "destroy": []}
     try:
         warm = await backend.create(spec)
         await backend.destroy(warm.id)
@@ -95,6 +105,10 @@ async def bench_backend(
                 out["fork"].append((time.perf_counter() - t) / FORK_BRANCHES)
                 for branch in branches:
                     await backend.destroy(branch.id)
+                t = time.perf_counter()
+                (branch,) = await backend.restore(snap, 1)
+                out["fork n=1"].append(time.perf_counter() - t)
+                await backend.destroy(branch.id)
                 await backend.delete_snapshot(snap.id)
         finally:
             await backend.destroy(info.id)
@@ -173,6 +187,9 @@ def main() -> None:
                     )
                 except BackendUnavailableError as exc:
                     skipped.append(f"{label}: {exc}")
+                if name == "crun" and label in results:  # the baseline of reusing crun's compiled filter
+                    results["local (crun), seccomp compiled per start"] = asyncio.run(
+                        bench_backend("local", args.runs, Path(tmp), runtime=name, compile_seccomp=True))
         if docker_available():
             results["docker"] = asyncio.run(bench_backend("docker", args.runs, Path(tmp)))
             from sandboxes.images import base_image_ref
@@ -181,7 +198,7 @@ def main() -> None:
     if not args.skip_swerex:
         results["SWE-ReX"] = bench_swerex(args.runs)
 
-    ops = ["create", "exec", "write", "snapshot", "fork", "destroy"]
+    ops = ["create", "exec", "write", "snapshot", "fork", "fork n=1", "destroy"]
     print(f"# bench/sandboxes.py — {time.strftime('%Y-%m-%d')} — {platform.node()} "
           f"({os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}), runs={args.runs}")
     print()
@@ -211,6 +228,11 @@ def main() -> None:
                 if a and b:
                     parts.append(f"{op} {statistics.median(b) / statistics.median(a):.1f}x")
             print(f"- {ours} vs {base}: " + ", ".join(parts))
+    before, after = results.get("local (crun), seccomp compiled per start"), results.get("local (crun)")
+    if before and after:
+        parts = [f"{op} {statistics.median(before[op]) / statistics.median(after[op]):.2f}x"
+                 for op in ("create", "fork", "fork n=1") if before.get(op) and after.get(op)]
+        print("- local (crun) vs the same compiling its seccomp profile at every start: " + ", ".join(parts))
 
 
 if __name__ == "__main__":
