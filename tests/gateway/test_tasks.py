@@ -163,12 +163,12 @@ async def test_task_asking_for_more_than_a_sandbox_may_have_is_refused_at_import
 
 async def test_import_reports_the_task_toml_keys_forkyard_does_not_use(gateway):
     files = task_files("harborish")
-    files["task.toml"] = files["task.toml"].replace("[verifier]\n", "[verifier]\nenv = { A = \"1\" }\n")
+    files["task.toml"] = files["task.toml"].replace("[verifier]\n", "[verifier]\nuser = \"root\"\n")
     files["task.toml"] += "\n[environment]\ngpus = 0\nallow_internet = false\n"
     response = await gateway.client.post("/v1/tasks", json={"tasks": [{"name": "harborish", "files": files}]})
     assert response.status_code == 201, response.text
     (item,) = response.json()["items"]
-    assert item["warnings"] == ["task.toml: [verifier] env is not used by Forkyard",
+    assert item["warnings"] == ["task.toml: [verifier] user is not used by Forkyard",
                                 "task.toml: [environment] gpus is not used by Forkyard"]
     listed = (await gateway.client.get(f"/v1/tasks/{item['id']}")).json()
     assert listed["warnings"] == []  # only the import answer carries them
