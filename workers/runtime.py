@@ -276,6 +276,10 @@ class WorkerRuntime:
         """Tell whether the session is open here (between its open and its close)."""
         return session_id in self._envs
 
+    def session_count(self) -> int:
+        """Return how many sessions are open here."""
+        return len(self._envs)
+
     def _env(self, session_id: str) -> TerminalEnv:
         try:
             return self._envs[session_id]

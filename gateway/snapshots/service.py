@@ -10,8 +10,10 @@ DELETE marks it deleted at once; its storage goes when its open forks end.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -136,6 +138,7 @@ async def snapshot_session(
     except BaseException:  # unrecorded, nothing would ever free it
         await asyncio.shield(runtime.delete_snapshot(snap.id))
         raise
+    known_snapshots.put(record)
     logger.info("session %s: snapshot %s (backend %s)", session_id, record.id, snap.id)
     return record
 
@@ -174,14 +177,55 @@ async def live_backend_snapshot_ids(*, db_session: AsyncSession, node: str) -> s
 _DELETED_AT = select(SnapshotRecord.deleted_at).where(SnapshotRecord.id == bindparam("id"))
 
 
+@dataclasses.dataclass(frozen=True)
+class KnownSnapshot:
+    """The part of a snapshot row that never changes: enough to start restoring its forks."""
+
+    task_id: str
+    session_id: str
+    state: dict[str, Any]
+
+
+class KnownSnapshots:
+    """Snapshot rows this process wrote or read, by id, the oldest dropped past ``max_entries``.
+
+    A fork of a known snapshot starts restoring at once; whether the row still lives
+    (not deleted) is read from the database beside the restore, which is undone if not.
+    """
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._known: OrderedDict[str, KnownSnapshot] = OrderedDict()
+
+    def get(self, snapshot_id: str) -> KnownSnapshot | None:
+        """Return what is known of the snapshot, or None."""
+        return self._known.get(snapshot_id)
+
+    def put(self, record: SnapshotRecord) -> KnownSnapshot:
+        """Remember a snapshot row's unchanging part; return it."""
+        known = KnownSnapshot(task_id=record.task_id, session_id=record.session_id, state=record.state)
+        self._known[record.id] = known
+        self._known.move_to_end(record.id)
+        while len(self._known) > self.max_entries:
+            self._known.popitem(last=False)
+        return known
+
+
+#: The process's known snapshots (ids are random: two databases never share one).
+known_snapshots = KnownSnapshots()
+
+
 async def fork_snapshot(
     *, db_session: AsyncSession, runtime: WorkerRuntime, snapshot_id: str, n: int, node: str, max_open: int,
     gate: StepGate | None = None,
 ) -> tuple[SnapshotRecord, list[tuple[EnvSession, SessionOpened]]]:
     """Start ``n`` sessions continuing from a snapshot; each inherits the history up to it.
 
-    The forks' rows are written while the backend restores their sandboxes; if the
-    snapshot turns out deleted meanwhile, the sandboxes are freed and the forks fail.
+    The restore starts first when this process knows the snapshot (:data:`known_snapshots`);
+    its row is read (live? under the node's limit?) and the forks' rows written while the
+    backend restores their sandboxes. If a check fails or the snapshot turns out deleted
+    meanwhile, the sandboxes are freed and the forks fail. No sandbox starts past the
+    runtime's own count of open sessions.
     With a write-behind ``gate``, each fork's sandbox is recorded behind the answer, as
     a step is (whatever reads the fork settles it first).
 
@@ -191,28 +235,36 @@ async def fork_snapshot(
     """
     from workers.runtime import SessionSnapshot
 
-    record = await get_snapshot(db_session=db_session, snapshot_id=snapshot_id)
-    if await sessions_service.count_open_sessions(db_session=db_session, node=node) + n > max_open:
-        raise RateLimitedError(
-            f"Forking {n} session(s) would exceed this gateway node's limit of {max_open} open sessions."
-        )
-    task = await load_terminal_task(db_session=db_session, task_id=record.task_id)
-    steps = snapshot_steps(record)
+    known = known_snapshots.get(snapshot_id)
+    record: SnapshotRecord | None = None
+    if known is None:  # written by another process (or long ago): read it before anything starts
+        record = await get_snapshot(db_session=db_session, snapshot_id=snapshot_id)
+        known = known_snapshots.put(record)
+    # No sandbox starts past the limit (the runtime's count; the database's is read beside the restore).
+    if runtime.session_count() + n > max_open:
+        raise _too_many(n, max_open)
+    task = await load_terminal_task(db_session=db_session, task_id=known.task_id)
+    steps = int(known.state.get("steps") or 0)
     # The history up to the snapshot stays the source session's rows: a fork costs the same
     # after 1 step or 1,000. Each row holds the snapshot (open, snapshot_id) once committed.
     rows = [
-        EnvSession(id=new_id("sess"), task_id=record.task_id, state=SessionState.OPEN, node=node, steps=steps,
-                   created_at=utcnow(), snapshot_id=record.id, parent_session_id=record.session_id,
+        EnvSession(id=new_id("sess"), task_id=known.task_id, state=SessionState.OPEN, node=node, steps=steps,
+                   created_at=utcnow(), snapshot_id=snapshot_id, parent_session_id=known.session_id,
                    parent_steps=steps)
         for _ in range(n)
     ]
     ids = [r.id for r in rows]
     forking = asyncio.ensure_future(runtime.fork_session(
-        SessionSnapshot.from_json(record.state["session"]), ids, task,
-        labels={sessions_service.LABEL_TASK_ID: record.task_id},
+        SessionSnapshot.from_json(known.state["session"]), ids, task,
+        labels={sessions_service.LABEL_TASK_ID: known.task_id},
     ))
+    await asyncio.sleep(0)  # the restore starts now, before the reads below
     failure: BaseException | None = None
     try:
+        if record is None:
+            record = await get_snapshot(db_session=db_session, snapshot_id=snapshot_id)
+        if await sessions_service.count_open_sessions(db_session=db_session, node=node) + n > max_open:
+            raise _too_many(n, max_open)
         db_session.add_all(rows)
         await db_session.commit()
         # Read after the rows are in: a collection that ran before them shows here, one after spares the snapshot.
@@ -279,6 +331,12 @@ async def _claim_sandbox(
         task_id=task_id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC),
     ))
     await db_session.commit()
+
+
+def _too_many(n: int, max_open: int) -> RateLimitedError:
+    return RateLimitedError(
+        f"Forking {n} session(s) would exceed this gateway node's limit of {max_open} open sessions."
+    )
 
 
 async def _release_forks(runtime: WorkerRuntime, forking: asyncio.Future, session_ids: list[str]) -> None:

@@ -94,6 +94,9 @@ class FakeRuntime:
     def has_session(self, session_id: str) -> bool:
         return session_id in self.sessions
 
+    def session_count(self) -> int:
+        return len(self.sessions)
+
     async def step(self, session_id: str, tool: str, arguments: dict[str, Any]) -> StepResult:
         session = self.sessions.get(session_id)
         if session is None:

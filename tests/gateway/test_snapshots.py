@@ -213,8 +213,44 @@ async def test_fork_respects_the_open_session_limit(tmp_path):
         task = await gw.import_task("limit")
         source = await gw.open_session(task["id"])
         snap = await snapshot(gw, source["id"])
+        started = len(gw.runtime.sessions)
         assert_error(await client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 3}), 429, "rate_limited")
+        assert len(gw.runtime.sessions) == started  # refused before any sandbox started
         assert len(await fork(gw, snap["id"], 2)) == 2
+
+
+async def test_a_fork_of_a_snapshot_this_process_recorded_restores_while_its_row_is_read(gateway, monkeypatch):
+    """The row's checks (live? under the limit?) run beside the restore, which is undone when they fail."""
+    from gateway.snapshots import service as snapshots_service
+
+    task = await gateway.import_task("eager")
+    source = await gateway.open_session(task["id"])
+    snap = await snapshot(gateway, source["id"])
+    order: list[str] = []
+    real_fork, real_get = gateway.runtime.fork_session, snapshots_service.get_snapshot
+
+    async def fork_session(*args, **kwargs):
+        order.append("restore")
+        return await real_fork(*args, **kwargs)
+
+    async def get_snapshot(**kwargs):
+        order.append("read")
+        return await real_get(**kwargs)
+
+    monkeypatch.setattr(gateway.runtime, "fork_session", fork_session)
+    monkeypatch.setattr(snapshots_service, "get_snapshot", get_snapshot)
+    (child,) = await fork(gateway, snap["id"], 1)
+    assert order == ["restore", "read"] and child["steps"] == 0 and child["snapshot_id"] == snap["id"]
+    # Deleted (but known here): the restore that started is undone and the answer is 404.
+    assert (await gateway.client.post(f"/v1/snapshots/{snap['id']}/pin")).status_code == 200
+    assert (await gateway.client.post(f"/v1/snapshots/{snap['id']}/unpin")).status_code == 200
+    await gateway.client.delete(f"/v1/sessions/{child['id']}")
+    assert (await gateway.client.delete(f"/v1/snapshots/{snap['id']}")).status_code == 204
+    before = set(gateway.runtime.sessions)
+    assert_error(await gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 2}), 404, "not_found")
+    assert set(gateway.runtime.sessions) == before
+    opened = (await gateway.client.get("/v1/sessions", params={"state": "open"})).json()["items"]
+    assert [s["id"] for s in opened] == [source["id"]]  # no row of the refused forks is left open
 
 
 async def test_a_fork_closed_while_it_starts_stays_closed_and_keeps_no_sandbox(gateway, monkeypatch):
