@@ -75,11 +75,14 @@ def test_missing_pids_controller_is_refused(backend_root, tmp_path):
         LocalBackend(backend_root, "n", cgroup_root=tmp_path)
 
 
-def test_create_backend_kinds(backend_root):
+async def test_create_backend_kinds(backend_root):
     backend = create_backend("local", node="n", root_dir=backend_root)
-    assert isinstance(backend, LocalBackend) and backend.name == "local" and backend.node == "n"
-    with pytest.raises(ValueError, match="unknown sandbox backend"):
-        create_backend("qemu", node="n", root_dir=backend_root)
+    try:
+        assert isinstance(backend, LocalBackend) and backend.name == "local" and backend.node == "n"
+        with pytest.raises(ValueError, match="unknown sandbox backend"):
+            create_backend("qemu", node="n", root_dir=backend_root)
+    finally:
+        await backend.aclose()  # its run dirs under /run/forkyard go with it
 
 
 # -------------------------------------------------------------------- cgroups
