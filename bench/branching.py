@@ -227,7 +227,7 @@ async def bench_tree(kind: str, root: Path, *, prefix: int, suffix: int, fanout:
     from workers.policy.scripted import ScriptedPolicy
     from workers.runner import AgentSettings, StageLimits, run_episode
     from workers.runtime import WorkerRuntime
-    from workers.tasks import load_task_dir
+    from workers.envs.terminal.task import load_task_dir
 
     backend = create_backend(kind, node=f"bench-tree-{secrets.token_hex(4)}", root_dir=root / f"tree-{kind}")
     runtime = WorkerRuntime(backend, image_cache_dir=DEFAULT_IMAGE_CACHE)
@@ -287,7 +287,7 @@ async def bench_setup_cache(kind: str, root: Path, reps: int) -> dict[str, list[
     """Time reset() of the slow-setup task cold (no cache) and from the setup cache."""
     from workers.runtime import WorkerRuntime
     from workers.setup_cache import SetupCache
-    from workers.tasks import load_task_dir
+    from workers.envs.terminal.task import load_task_dir
 
     backend = create_backend(kind, node=f"bench-cache-{secrets.token_hex(4)}", root_dir=root / f"cache-{kind}")
     cache = SetupCache(backend, root / f"cache-index-{kind}")

@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 #: File in the data dir holding the embedded gateway's API key (mode 0600).
 API_KEY_FILE = "api_key"
 TASK_MARKERS = ("task.toml", "instruction.md")
+#: What `tasks import` reads of one directory at most (the family then applies its own limits).
+MAX_TASK_DIR_BYTES = 256 * 1024 * 1024
+MAX_TASK_DIR_FILES = 65536
 
 
 class CLIError(Exception):
@@ -302,8 +305,11 @@ def cmd_tasks_import(args: argparse.Namespace) -> int:
     """Validate task dirs locally, upload each as a tar.gz, print ``task_id  name`` per task."""
     import httpx
 
+    from workers.archives import read_dir
+    from workers.envs.registry import get_family
     from workers.errors import TaskFormatError
-    from workers.tasks import load_task_dir, task_to_tar
+
+    family = get_family("terminal")  # a task directory is the terminal family's format
 
     url = args.url or os.environ.get("FORKYARD_URL")
     key = args.api_key or os.environ.get("FORKYARD_API_KEY")
@@ -315,7 +321,8 @@ def cmd_tasks_import(args: argparse.Namespace) -> int:
     for arg in args.dirs:
         for task_dir in find_task_dirs(Path(arg)):
             try:
-                tasks.append(load_task_dir(task_dir))
+                files = read_dir(task_dir, max_bytes=MAX_TASK_DIR_BYTES, max_files=MAX_TASK_DIR_FILES)
+                tasks.append(family.load_task(task_dir.resolve().name, files))
             except TaskFormatError as exc:
                 raise CLIError(f"{task_dir}: {exc}", exit_code=2) from exc
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/gzip"}
@@ -323,7 +330,7 @@ def cmd_tasks_import(args: argparse.Namespace) -> int:
         with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=args.timeout) as client:
             for task in tasks:
                 response = client.post("/v1/tasks", params={"environment": args.environment},
-                                       content=task_to_tar(task))
+                                       content=family.encode_task(task))
                 if response.status_code != 201:
                     code = 2 if 400 <= response.status_code < 500 and response.status_code not in (401, 429) else 1
                     raise CLIError(f"importing {task.name} failed: {_describe_http_error(response)}", exit_code=code)

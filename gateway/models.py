@@ -2,7 +2,7 @@
 
 from gateway.auth.models import ApiKey
 from gateway.db import Base
-from gateway.environments.models import Environment, EnvironmentFamily
+from gateway.environments.models import Environment
 from gateway.episodes.models import Episode, EpisodeStep
 from gateway.policies.models import Policy
 from gateway.rollouts.models import (
@@ -17,7 +17,7 @@ from gateway.snapshots.models import SnapshotRecord
 from gateway.tasks.models import Task
 
 __all__ = [
-    "ApiKey", "Base", "DeliveryConsumer", "DeliveryLease", "EnvSession", "Environment", "EnvironmentFamily", "Episode",
+    "ApiKey", "Base", "DeliveryConsumer", "DeliveryLease", "EnvSession", "Environment", "Episode",
     "EpisodeGroup", "EpisodeStep", "Policy", "Rollout", "Sandbox", "SessionState", "SessionStep",
     "SnapshotRecord", "Task",
 ]

@@ -13,10 +13,13 @@ from __future__ import annotations
 import bz2
 import io
 import lzma
+import os
+import stat
 import tarfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from workers.errors import TaskFormatError
 
@@ -171,3 +174,38 @@ def iter_members(data: bytes, limits: ArchiveLimits | None = None) -> Iterator[t
 
 
 __all__ = ["ArchiveLimits", "iter_members"]
+
+
+def read_dir(path: str | os.PathLike[str], *, max_bytes: int, max_files: int) -> dict[str, bytes]:
+    """Return the regular files under ``path`` by relative posix path, refusing links and special files.
+
+    Raises:
+        TaskFormatError: the directory is missing, holds a symlink or a special file, or
+            more than ``max_bytes`` / ``max_files``.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise TaskFormatError(f"task directory {str(root)!r} does not exist or is not a directory", file=str(root))
+    files: dict[str, bytes] = {}
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames.sort()
+        base = Path(dirpath)
+        for entry in sorted(dirnames + filenames):
+            full = base / entry
+            rel = full.relative_to(root).as_posix()
+            st = full.lstat()
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                raise TaskFormatError(f"{rel}: symbolic links are not allowed in a task directory", file=rel)
+            if not stat.S_ISREG(st.st_mode):
+                raise TaskFormatError(f"{rel}: only regular files are allowed in a task directory", file=rel)
+            total += st.st_size
+            if total > max_bytes:
+                raise TaskFormatError(f"{rel}: the task's files exceed the {max_bytes // (1024 * 1024)} MiB limit",
+                                      file=rel)
+            if len(files) + 1 > max_files:
+                raise TaskFormatError(f"{rel}: the task has more than {max_files} files", file=rel)
+            files[rel] = full.read_bytes()
+    return files

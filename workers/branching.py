@@ -1,7 +1,7 @@
 """Trajectory trees: where an episode forks, how many branches it may spend, and their bookkeeping.
 
 A branching rollout runs one *trunk* episode per task sample. At a branch point the
-trunk snapshots its sandbox (:meth:`TerminalEnv.snapshot`), restores ``fanout - 1``
+trunk snapshots its sandbox (:meth:`Forkable.snapshot <workers.envs.base.Forkable.snapshot>`), restores ``fanout - 1``
 copies and continues as one of the branches itself; every branch samples the rest of
 the episode independently. Each branch is an episode of its own that stores only the
 steps it ran: the steps before its branch turn live once, on the episode that ran them,

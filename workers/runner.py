@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -32,23 +31,19 @@ from typing import TYPE_CHECKING, Any
 
 from sandboxes.base import LABEL_OWNER
 from sandboxes.errors import SandboxError
+from workers.envs.base import Action, EnvSnapshot, Forkable, openai_tools
+from workers.envs.registry import family_of
 from workers.errors import ActionError, ImageBuildError, WorkerError
 from workers.policy.base import Generation, PolicyClient, PolicyError, Sampling
 from workers.policy.toolcalls import ToolCallParseError, parse_tool_calls
 
 if TYPE_CHECKING:
     from workers.branching import Tree
+    from workers.envs.base import EnvTask, StepResult
     from workers.policy.chat_template import ChatTokenizer
-    from workers.runtime import StepResult, WorkerRuntime
-    from workers.tasks import TerminalTask
+    from workers.runtime import WorkerRuntime
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_SYSTEM_PROMPT = (
-    "You are an agent working in a Linux shell. Use the bash tool to inspect and change the "
-    "system, and call submit when the task is done. Call exactly one tool per turn."
-)
-
 
 @dataclass
 class StageLimits:
@@ -198,7 +193,7 @@ class _Episode:
 class _Run:
     """What every episode of one run (a trunk and its branches) shares."""
 
-    task: TerminalTask
+    task: EnvTask
     runtime: WorkerRuntime
     policy: PolicyClient
     settings: AgentSettings
@@ -232,7 +227,7 @@ def verifier_summary(verifier: dict[str, Any]) -> dict[str, Any]:
 async def run_episode(
     *,
     episode_id: str,
-    task: TerminalTask,
+    task: EnvTask,
     runtime: WorkerRuntime,
     policy: PolicyClient,
     settings: AgentSettings,
@@ -264,12 +259,11 @@ async def run_episode(
         env_factory: makes the (not yet reset) environment instead of the runtime, e.g. a
             member of a :class:`~workers.shared_env.SharedEnvGroup`.
     """
-    from workers.envs.terminal import TOOLS
-
+    family = family_of(task)
     run = _Run(task=task, runtime=runtime, policy=policy, settings=settings, sampling=sampling,
                stages=stages or StageLimits(), version_of=version_of, gate=gate, stale_check=stale_check,
                labels=dict(labels or {}), tree=tree)
-    state = _Episode(tokenizer, list(TOOLS))
+    state = _Episode(tokenizer, openai_tools(family.tools))
 
     async def open_env(timings: dict[str, float]) -> Any:
         t = time.monotonic()
@@ -285,7 +279,7 @@ async def run_episode(
                 await _close_quietly(env, episode_id)
                 raise
         timings["setup_s"] = time.monotonic() - t
-        state.start([{"role": "system", "content": settings.system_prompt or DEFAULT_SYSTEM_PROMPT},
+        state.start([{"role": "system", "content": settings.system_prompt or family.system_prompt(task)},
                      {"role": "user", "content": instruction}])
         return env
 
@@ -333,6 +327,9 @@ async def _drive(
 
     try:
         env = await open_env(timings)
+        if run.tree is not None and not isinstance(env, Forkable):
+            raise WorkerError(f"the {run.task.family} environment of task {run.task.name!r} cannot be snapshotted, "
+                              "so its episodes cannot branch")
         t = time.monotonic()
         deadline = started + run.settings.episode_timeout_s
         async with run.stages.agent:
@@ -371,8 +368,6 @@ async def _fork(run: _Run, parent_id: str, env: Any, state: _Episode, turn: int,
     A fork that fails (the sandbox could not be snapshotted or restored) costs the tree
     those branches, never the parent episode.
     """
-    from workers.runtime import SessionSnapshot
-
     tree = run.tree
     assert tree is not None
     n = tree.grant()
@@ -381,10 +376,9 @@ async def _fork(run: _Run, parent_id: str, env: Any, state: _Episode, turn: int,
     t = time.monotonic()
     ids: list[str] = []
     try:
-        snap, env_state = await _snapshot_for(tree, env, turn)
+        snap = await _snapshot_for(tree, env, turn)
         ids = await tree.spawn(parent_id, turn, n)
-        envs = await run.runtime.restore_envs(SessionSnapshot(snap, env_state), run.task,
-                                              [run.labels_for(i) for i in ids])
+        envs = await run.runtime.restore_envs(snap, run.task, [run.labels_for(i) for i in ids])
     except Exception as exc:
         logger.warning("episode %s: fork at turn %d failed: %s", parent_id, turn, exc)
         tree.refund(n - len(ids))
@@ -410,14 +404,14 @@ async def _fork(run: _Run, parent_id: str, env: Any, state: _Episode, turn: int,
         tree.start(branch(), name=f"branch {branch_id}")
 
 
-async def _snapshot_for(tree: Any, env: Any, turn: int) -> tuple[Any, dict[str, Any]]:
+async def _snapshot_for(tree: Any, env: Forkable, turn: int) -> EnvSnapshot:
     """Snapshot ``env`` for a branch point of ``tree``, which holds the snapshot even if this is cancelled."""
     taking = asyncio.ensure_future(env.snapshot(metadata={"forkyard.tree": tree.root_episode_id,
                                                           "forkyard.turn": str(turn)}))
 
     def hold(done: asyncio.Future) -> None:
         if not done.cancelled() and done.exception() is None:
-            tree.snapshots.append(done.result()[0].id)
+            tree.snapshots.append(done.result().id)
 
     taking.add_done_callback(hold)
     try:
@@ -456,6 +450,8 @@ async def _agent_loop(
 ) -> _Outcome:
     settings, stages, tree = run.settings, run.stages, run.tree
     verify_s = 0.0
+    tools = {tool.name: tool for tool in env.tools}
+    example = next(iter(tools), "tool")
 
     async def finish(termination: str, reason: str) -> _Outcome:
         nonlocal verify_s
@@ -515,27 +511,24 @@ async def _agent_loop(
             if not calls:
                 raise ToolCallParseError(
                     "no tool call found; answer with exactly one tool call such as "
-                    '<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'
+                    f'<tool_call>{{"name": "{example}", "arguments": {{...}}}}</tool_call>'
                 )
             action = {"tool": calls[0]["name"], "arguments": calls[0]["arguments"]}
         except ToolCallParseError as exc:
             parse_error = str(exc)
         if action is not None:
             arguments = dict(action["arguments"] or {}) if isinstance(action["arguments"], dict) else action["arguments"]
-            if action["tool"] == "bash" and isinstance(arguments, dict):
-                wanted = arguments.get("timeout")
-                # Whole seconds: the members of a shared group (deadlines a few ms apart) then
-                # issue the same call near their time limit, and share it instead of forking.
-                cap = max(1.0, min(settings.step_timeout_s, float(math.floor(deadline - time.monotonic()))))
-                arguments["timeout"] = min(float(wanted), cap) if isinstance(wanted, (int, float)) else cap
+            call = Action(action["tool"], arguments)
+            budget = min(settings.step_timeout_s, deadline - time.monotonic())
             try:
-                if action["tool"] == "submit":
+                spec = tools.get(call.tool)
+                if spec is not None and spec.ends_episode:
                     tv = time.monotonic()
                     async with stages.verify:
-                        step_result = await env.step("submit", arguments)
+                        step_result = await env.step(call, budget_s=budget)
                     verify_s += time.monotonic() - tv
                 else:
-                    step_result = await env.step(action["tool"], arguments)
+                    step_result = await env.step(call, budget_s=budget)
                 observation = step_result.observation
             except ActionError as exc:
                 observation = f"[error: {exc}]"

@@ -11,24 +11,31 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sandboxes.base import LABEL_OWNER, SandboxBackend, SandboxInfo
+from workers.envs.base import (
+    Action,
+    EnvContext,
+    Environment,
+    EnvSnapshot,
+    EnvTask,
+    Forkable,
+    StepResult,
+    openai_tools,
+    run_actions,
+)
+from workers.envs.registry import family_of
 from workers.errors import (
     ActionError,
-    ImageBuildError,
     SessionClosedError,
     SessionNotFoundError,
 )
-from workers.standins import stand_in_for, stand_in_image
 
 if TYPE_CHECKING:
-    from sandboxes.snapshots import Snapshot
-    from workers.envs.terminal import TerminalEnv
     from workers.setup_cache import SetupCache
-    from workers.tasks import TerminalTask
 
 logger = logging.getLogger(__name__)
 
@@ -51,42 +58,6 @@ class SessionOpened:
     tools: list[dict[str, Any]]
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """Gym-style outcome of one action."""
-
-    observation: str
-    reward: float | None
-    terminated: bool
-    truncated: bool
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SessionSnapshot:
-    """A session's branch point: the backend snapshot of its sandbox plus the env's logical state."""
-
-    sandbox: Snapshot
-    env: dict[str, Any]
-    """:meth:`TerminalEnv.export_state` data (steps, agent time left, workdir, initial env)."""
-
-    @property
-    def id(self) -> str:
-        """The backend snapshot's id."""
-        return self.sandbox.id
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the snapshot as plain JSON data."""
-        return {"sandbox": self.sandbox.to_json(), "env": dict(self.env)}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SessionSnapshot:
-        """Build a session snapshot from :meth:`to_json` data."""
-        from sandboxes.snapshots import Snapshot
-
-        return cls(sandbox=Snapshot.from_json(data["sandbox"]), env=dict(data.get("env") or {}))
-
-
 class WorkerRuntime:
     """Own one sandbox backend and the environment sessions running on it."""
 
@@ -104,21 +75,44 @@ class WorkerRuntime:
         self.backend = backend
         self.image_max_bytes = image_max_bytes
         """Cap on the bytes of built task and stand-in images (:mod:`workers.images`); None: no cap."""
-        self.ca_bundle = ca_bundle
-        """The host's CA certificates, trusted in builds and networked sandboxes (:mod:`workers.trust`)."""
-        self.image_cache_dir = Path(image_cache_dir)
-        self.stand_ins = stand_ins
-        """Image name patterns to stand-ins (:mod:`workers.standins`); None: the default table."""
-        self.base_image = base_image
-        self.setup_cache = setup_cache
-        """Post-setup snapshots of tasks with a reset.sh, shared by every env this runtime makes."""
-        self.counters: collections.Counter[str] = collections.Counter()
-        """What the envs did: ``env_steps``, ``resets``, ``setup_runs``, ``setup_cache_hits``/``_misses``, ``setup_uncacheable``."""
-        self._envs: dict[str, TerminalEnv] = {}
+        self.ctx = EnvContext(
+            backend=backend, image_cache_dir=Path(image_cache_dir), base_image=base_image, stand_ins=stand_ins,
+            setup_cache=setup_cache, ca_bundle=ca_bundle,
+        )
+        """What every env this runtime makes shares (backend, base image, setup cache, CA bundle, counters)."""
+        self._envs: dict[str, tuple[Environment, EnvTask]] = {}
         self._running_steps: dict[str, asyncio.Future[StepResult]] = {}
-        self._build_locks: dict[str, asyncio.Lock] = {}
         self._images_handed_out: dict[str, float] = {}  # image ref -> when a sandbox last asked for it (monotonic)
         self._capping: asyncio.Task[None] | None = None
+
+    @property
+    def base_image(self) -> str | None:
+        """The Debian base every built image starts from (made at :meth:`start` unless given)."""
+        return self.ctx.base_image
+
+    @base_image.setter
+    def base_image(self, value: str | None) -> None:
+        self.ctx.base_image = value
+
+    @property
+    def setup_cache(self) -> SetupCache | None:
+        """Post-setup snapshots of tasks with a reset hook, shared by every env this runtime makes."""
+        return self.ctx.setup_cache
+
+    @property
+    def counters(self) -> collections.Counter[str]:
+        """What the envs did: ``env_steps``, ``resets``, ``setup_runs``, ``setup_cache_hits``/``_misses``, ``setup_uncacheable``."""
+        return self.ctx.counters
+
+    @property
+    def stand_ins(self) -> Mapping[str, str] | None:
+        """Image name patterns to stand-ins (:mod:`workers.standins`); None: the default table."""
+        return self.ctx.stand_ins
+
+    @property
+    def ca_bundle(self) -> bytes | None:
+        """The host's CA certificates, trusted in builds and networked sandboxes (:mod:`workers.trust`)."""
+        return self.ctx.ca_bundle
 
     @property
     def node(self) -> str:
@@ -129,21 +123,20 @@ class WorkerRuntime:
         """Make sure the base image exists on the backend (built once, then reused); load the setup cache."""
         from sandboxes.images import ensure_base_image
 
-        if self.base_image is None:
-            self.base_image = await ensure_base_image(self.backend, self.image_cache_dir, progress=progress)
+        if self.ctx.base_image is None:
+            self.ctx.base_image = await ensure_base_image(self.backend, self.ctx.image_cache_dir, progress=progress)
         if self.setup_cache is not None:
             await self.setup_cache.load()
 
-    async def task_image(self, task: TerminalTask, *, progress: Callable[[str], None] | None = None) -> str:
-        """Return the image a task's sandboxes start from, building it (and its FROM's stand-in) on first use.
+    async def task_image(self, task: EnvTask, *, progress: Callable[[str], None] | None = None) -> str:
+        """Return the image a task's sandboxes start from (its family prepares it, building on first use).
 
-        A real image this host has wins; else the image's stand-in (:mod:`workers.standins`);
-        else, for a ``docker_image`` no stand-in covers, the task's own Dockerfile, as
-        Harbor's ``--force-build`` does (every TB2 task names a prebuilt image). The first
-        time this runtime hands out an image, the built images are pruned to the cap
-        (:attr:`image_max_bytes`) in the background.
+        The first time this runtime hands out an image, the built images are pruned to the
+        cap (:attr:`image_max_bytes`) in the background.
         """
-        ref = await self._task_image(task, progress=progress)
+        if self.ctx.base_image is None:
+            await self.start(progress=progress)
+        ref = await family_of(task).prepare_image(task, self.ctx, progress=progress)
         first = ref not in self._images_handed_out
         self._images_handed_out[ref] = time.monotonic()
         if first and self.image_max_bytes is not None and (self._capping is None or self._capping.done()):
@@ -170,80 +163,14 @@ class WorkerRuntime:
             logger.warning("built images hold %.1f MiB, over the cap of %.1f MiB: %d of them are in use",
                            report.total_bytes / 2**20, self.image_max_bytes / 2**20, report.in_use)
 
-    async def _task_image(self, task: TerminalTask, *, progress: Callable[[str], None] | None = None) -> str:
-        if self.base_image is None:
-            await self.start(progress=progress)
-        assert self.base_image is not None
-        dockerfile = task.files.get("environment/Dockerfile")
-        if task.docker_image:
-            if await self.backend.has_image(task.docker_image):
-                return task.docker_image
-            stand_in = stand_in_for(task.docker_image, self.stand_ins)
-            if stand_in is not None:
-                return await self._stand_in(stand_in, progress)
-            if dockerfile is None:
-                raise ImageBuildError(
-                    f"task {task.name!r}: docker_image {task.docker_image!r} is not available locally, no stand-in "
-                    "covers it (FORKYARD_IMAGES__STAND_INS) and the task ships no environment/Dockerfile to build"
-                )
-            logger.warning("task %s: docker_image %s is not available locally; building environment/Dockerfile "
-                           "instead", task.name, task.docker_image)
-        if dockerfile is None:
-            raise ImageBuildError(f"task {task.name!r} has neither environment/Dockerfile nor docker_image")
-        context = {
-            path.removeprefix("environment/"): data
-            for path, data in task.files.items()
-            if path.startswith("environment/")
-        }
-        from workers.dockerfile import build_task_image, parse_dockerfile, parse_stage
-
-        text = dockerfile.decode("utf-8", errors="replace")
-        aliases: dict[str, str] = {}
-        try:
-            from_image = parse_stage(parse_dockerfile(text), {}).from_image
-        except ImageBuildError:
-            from_image = None  # build_task_image reports it with its line
-        if from_image and not await self.backend.has_image(from_image):
-            stand_in = stand_in_for(from_image, self.stand_ins)
-            if stand_in is not None:
-                aliases[from_image] = await self._stand_in(stand_in, progress)
-        # Concurrent sessions of one task share one build.
-        lock = self._build_locks.setdefault(task.content_hash, asyncio.Lock())
-        async with lock:
-            return await build_task_image(
-                self.backend,
-                dockerfile=text,
-                context=context,
-                base_image=self.base_image,
-                aliases=aliases,
-                progress=progress,
-                ca_bundle=self.ca_bundle,
-            )
-
-    async def _stand_in(self, stand_in: str, progress: Callable[[str], None] | None) -> str:
-        assert self.base_image is not None
-        return await stand_in_image(self.backend, stand_in, base_image=self.base_image, ca_bundle=self.ca_bundle,
-                                    progress=progress)
-
     def new_env(
-        self, task: TerminalTask, *, image: str, labels: Mapping[str, str], env_version: str = ""
-    ) -> TerminalEnv:
-        """Return a (not yet reset) env for ``task`` on this runtime's backend, setup cache and counters."""
-        from workers.envs.terminal import TerminalEnv
-
-        return TerminalEnv(
-            task,
-            self.backend,
-            image=image,
-            labels=labels,
-            setup_cache=self.setup_cache,
-            env_version=env_version,
-            counters=self.counters,
-            ca_bundle=self.ca_bundle,
-        )
+        self, task: EnvTask, *, image: str, labels: Mapping[str, str], env_version: str = ""
+    ) -> Environment:
+        """Return a (not yet reset) env for ``task`` on this runtime's backend, caches and counters."""
+        return family_of(task).open(task, self.ctx, image=image, labels=labels, env_version=env_version)
 
     async def open_session(
-        self, session_id: str, task: TerminalTask, *, labels: Mapping[str, str] | None = None,
+        self, session_id: str, task: EnvTask, *, labels: Mapping[str, str] | None = None,
         env_version: str = "",
     ) -> SessionOpened:
         """Start a sandbox for ``task`` and return the first observation and the tools.
@@ -252,8 +179,6 @@ class WorkerRuntime:
         """
         if session_id in self._envs:
             raise ActionError(f"session {session_id} is already open")
-        from workers.envs.terminal import TOOLS
-
         image = await self.task_image(task)
         env = self.new_env(
             task,
@@ -261,7 +186,7 @@ class WorkerRuntime:
             labels={LABEL_OWNER: session_id, "forkyard.task": task.name, **(labels or {})},
             env_version=env_version,
         )
-        self._envs[session_id] = env
+        self._envs[session_id] = (env, task)
         try:
             observation = await env.reset()
         except BaseException:
@@ -270,7 +195,7 @@ class WorkerRuntime:
             raise
         assert env.sandbox is not None
         logger.info("session %s opened on sandbox %s (task %s)", session_id, env.sandbox.id, task.name)
-        return SessionOpened(session_id, env.sandbox, observation, list(TOOLS))
+        return SessionOpened(session_id, env.sandbox, observation, openai_tools(env.tools))
 
     def has_session(self, session_id: str) -> bool:
         """Tell whether the session is open here (between its open and its close)."""
@@ -280,9 +205,9 @@ class WorkerRuntime:
         """Return how many sessions are open here."""
         return len(self._envs)
 
-    def _env(self, session_id: str) -> TerminalEnv:
+    def _env(self, session_id: str) -> Environment:
         try:
-            return self._envs[session_id]
+            return self._envs[session_id][0]
         except KeyError:
             raise SessionNotFoundError(f"no open session {session_id} on node {self.node}") from None
 
@@ -292,7 +217,7 @@ class WorkerRuntime:
         Raises:
             SessionClosedError: the session was closed while the step ran (the close interrupts it).
         """
-        running = asyncio.ensure_future(self._env(session_id).step(tool, arguments))
+        running = asyncio.ensure_future(self._env(session_id).step(Action(tool, arguments)))
         self._running_steps[session_id] = running
         try:
             return await running
@@ -306,43 +231,53 @@ class WorkerRuntime:
                 del self._running_steps[session_id]
 
     async def run_oracle(self, session_id: str) -> StepResult:
-        """Run the task's oracle solution, then verify."""
-        return await self._env(session_id).run_oracle()
+        """Step the session through its task's oracle (:meth:`EnvFamily.oracle`); return the verifying step.
+
+        Raises:
+            TaskFormatError: the task has no reference solution.
+            SessionClosedError: the oracle's actions did not end the episode.
+        """
+        env = self._env(session_id)
+        task = self._envs[session_id][1]
+        return await run_actions(env, family_of(task).oracle(task))
 
     async def close_session(self, session_id: str) -> None:
         """Destroy the session's sandbox; closing twice is fine."""
-        env = self._envs.pop(session_id, None)
+        opened = self._envs.pop(session_id, None)
         running = self._running_steps.pop(session_id, None)
         if running is not None and not running.done():
             running.cancel()  # the step answers SessionClosedError instead of holding the close
             await asyncio.wait([running])
-        if env is not None:
-            await env.close()
+        if opened is not None:
+            await opened[0].close()
             logger.info("session %s closed", session_id)
 
     async def snapshot_session(
         self, session_id: str, *, metadata: Mapping[str, str] | None = None
-    ) -> SessionSnapshot:
+    ) -> EnvSnapshot:
         """Snapshot an open session between steps: its sandbox and its env's logical state.
 
         Raises:
             SessionNotFoundError: no such open session here.
             SessionClosedError: its episode has ended.
+            ActionError: its environment cannot be forked.
         """
-        snap, state = await self._env(session_id).snapshot(metadata=metadata)
+        env = self._env(session_id)
+        if not isinstance(env, Forkable):
+            raise ActionError(f"session {session_id}: its environment cannot be snapshotted")
+        snap = await env.snapshot(metadata=metadata)
         logger.info("session %s: snapshot %s", session_id, snap.id)
-        return SessionSnapshot(snap, state)
+        return snap
 
     async def restore_envs(
-        self, snapshot: SessionSnapshot, task: TerminalTask, labels: list[dict[str, str]]
-    ) -> list[TerminalEnv]:
+        self, snapshot: EnvSnapshot, task: EnvTask, labels: list[dict[str, str]]
+    ) -> list[Environment]:
         """Restore one sandbox per labels dict and wrap each in an env continuing from ``snapshot``.
 
         All or nothing: if one restore fails, the sandboxes already made are destroyed and
         the first error is raised. The envs are not registered as sessions.
         """
         from sandboxes.base import SandboxSpec
-        from workers.envs.terminal import TerminalEnv
 
         src = snapshot.sandbox
 
@@ -363,8 +298,9 @@ class WorkerRuntime:
         if failed:
             await self._destroy_quietly(made, "a failed fork")
             raise failed[0]
+        family = family_of(task)
         return [
-            TerminalEnv.from_snapshot(task, self.backend, info, snapshot.env, labels=lb, counters=self.counters)
+            family.restore(task, self.ctx, info, snapshot.state, labels=lb)
             for info, lb in zip(made, labels, strict=True)
         ]
 
@@ -376,15 +312,13 @@ class WorkerRuntime:
                 logger.exception("destroying sandbox %s after %s failed", info.id, after)
 
     async def fork_session(
-        self, snapshot: SessionSnapshot, new_session_ids: list[str], task: TerminalTask, *,
+        self, snapshot: EnvSnapshot, new_session_ids: list[str], task: EnvTask, *,
         labels: Mapping[str, str] | None = None,
     ) -> list[SessionOpened]:
         """Restore one sandbox per new session id and continue the episode from ``snapshot`` in each.
 
         All or nothing: if one restore fails, the sandboxes already made are destroyed.
         """
-        from workers.envs.terminal import TOOLS
-
         taken = [s for s in new_session_ids if s in self._envs]
         if taken or len(set(new_session_ids)) != len(new_session_ids):
             raise ActionError(f"sessions {', '.join(taken) or 'given twice'} are already open")
@@ -393,8 +327,8 @@ class WorkerRuntime:
         opened = []
         for session_id, env in zip(new_session_ids, envs, strict=True):
             assert env.sandbox is not None
-            self._envs[session_id] = env
-            opened.append(SessionOpened(session_id, env.sandbox, task.instruction, list(TOOLS)))
+            self._envs[session_id] = (env, task)
+            opened.append(SessionOpened(session_id, env.sandbox, task.instruction, openai_tools(env.tools)))
         logger.info("snapshot %s forked into %d session(s)", snapshot.id, len(opened))
         return opened
 

@@ -51,18 +51,21 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sandboxes.base import SandboxSpec
+from workers.envs.base import Action, Forkable, StepResult, ToolSpec
+from workers.envs.registry import family_of
 from workers.errors import SessionClosedError
-from workers.runtime import StepResult
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from sandboxes.base import SandboxBackend
-    from workers.envs.terminal import TerminalEnv
-    from workers.tasks import TerminalTask
+    from workers.envs.base import EnvContext, Environment, EnvTask
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +73,17 @@ logger = logging.getLogger(__name__)
 DEFAULT_BARRIER_TIMEOUT_S = 120.0
 
 
-def action_key(tool: str, arguments: Any) -> Hashable:
-    """Return the canonical key of a step: equal keys mean the same action.
+def action_key(tool: str, arguments: Any, budget_s: float | None = None) -> Hashable:
+    """Return the canonical key of a step: equal keys mean the same action with the same budget.
 
-    Arguments that are not plain JSON (NaN, non-string keys, objects) get a key
-    equal to nothing else, so such a call is never shared.
+    The budget counts in whole seconds (what an env bounds its tools by). Arguments that
+    are not plain JSON (NaN, non-string keys, objects) get a key equal to nothing else,
+    so such a call is never shared.
     """
+    budget = None if budget_s is None else max(1, math.floor(budget_s))
     try:
         return json.dumps(
-            ["step", tool, {} if arguments is None else arguments],
+            ["step", tool, {} if arguments is None else arguments, budget],
             sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False,
         )
     except (TypeError, ValueError):
@@ -95,9 +100,9 @@ class _Call:
     """One member's submitted call, waiting for its node's turn."""
 
     key: Hashable
-    tool: str | None
+    action: Action | None
     """None for a truncate."""
-    arguments: Any
+    budget_s: float | None
     reason: str
     future: asyncio.Future[StepResult]
 
@@ -108,7 +113,7 @@ class _Node:
 
     id: int
     members: set[int]
-    env: TerminalEnv | None = None
+    env: Environment | None = None
     """None only while the fork that makes it is being restored."""
     pending: dict[int, _Call] = field(default_factory=dict)
     busy: bool = False
@@ -132,6 +137,16 @@ class SharedMemberEnv:
         """Tell whether this member's episode has ended (its call ended it, or it closed)."""
         return self._done
 
+    @property
+    def tools(self) -> Sequence[ToolSpec]:
+        """The task's family's tools."""
+        return family_of(self._group.task).tools
+
+    @property
+    def sandbox(self) -> None:
+        """None: a member has no sandbox of its own (its node's may change at any fork)."""
+        return None
+
     async def reset(self) -> str:
         """Return the task instruction; the group's one sandbox is made by the first caller.
 
@@ -140,14 +155,17 @@ class SharedMemberEnv:
         """
         return await self._group._reset(self)
 
-    async def step(self, tool: str, arguments: Mapping[str, Any] | None = None) -> StepResult:
-        """Apply one tool call, shared with the members of this node that make the same call.
+    async def step(self, action: Action, *, budget_s: float | None = None) -> StepResult:
+        """Apply one tool call, shared with the members of this node that make the same call (and budget).
+
+        The budget is part of the call's key in whole seconds (what the env bounds a tool
+        by), so members whose deadlines differ by milliseconds still share.
 
         Raises:
             ActionError: unknown tool or invalid arguments (the episode goes on).
             SessionClosedError: the episode has ended, or the member or group is closed.
         """
-        return await self._group._submit(self, tool, arguments, "")
+        return await self._group._submit(self, action, budget_s, "")
 
     async def truncate(self, reason: str) -> StepResult:
         """End the episode early and verify (truncated=True).
@@ -170,22 +188,28 @@ class SharedEnvGroup:
     """Run the ``size`` samples of one task on shared sandboxes, forking only where their actions diverge.
 
     Args:
-        new_env: makes a fresh, not yet reset env (called once, by the first reset).
+        new_env: makes a fresh, not yet reset env (called once, by the first reset); it must be
+            :class:`~workers.envs.base.Forkable` for the group to split.
         size: the number of members.
-        backend: the backend ``new_env``'s envs live on (forks are restored there).
-        task: the task (forked envs continue it).
+        ctx: the context ``new_env``'s envs live in (forks are restored on its backend).
+        task: the task (forked envs continue it through its family's ``restore``).
         labels: labels of the forked sandboxes; defaults to those of the first env.
         barrier_timeout_s: how long a node waits for its slowest member's call before
             splitting the stalled members off into a node of their own.
     """
 
+    @property
+    def backend(self) -> SandboxBackend:
+        """The backend the group's sandboxes live on."""
+        return self.ctx.backend
+
     def __init__(
         self,
-        new_env: Callable[[], Awaitable[TerminalEnv]],
+        new_env: Callable[[], Awaitable[Environment]],
         *,
         size: int,
-        backend: SandboxBackend,
-        task: TerminalTask,
+        ctx: EnvContext,
+        task: EnvTask,
         labels: Mapping[str, str] | None = None,
         barrier_timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S,
     ) -> None:
@@ -195,7 +219,7 @@ class SharedEnvGroup:
             raise ValueError(f"barrier_timeout_s must be a positive number of seconds, got {barrier_timeout_s!r}")
         self._new_env = new_env
         self.size = size
-        self.backend = backend
+        self.ctx = ctx
         self.task = task
         self.labels = dict(labels) if labels is not None else None
         self.barrier_timeout_s = barrier_timeout_s
@@ -205,7 +229,7 @@ class SharedEnvGroup:
         self._node_ids = itertools.count()
         self._left: set[int] = set()
         self._opening: asyncio.Task[str] | None = None
-        self._first_env: TerminalEnv | None = None
+        self._first_env: Environment | None = None
         self._turns: set[asyncio.Task[None]] = set()
         self._cleanups: set[asyncio.Task[None]] = set()
         self._fork_snapshots: list[str] = []
@@ -271,12 +295,14 @@ class SharedEnvGroup:
             raise
         self._sandboxes_created += 1
         if self.labels is None:
-            self.labels = dict(env.labels)
+            self.labels = dict(getattr(env, "labels", {}))
         root = self._add_node(set(range(self.size)) - self._left, env)
         await self._settle(root)
         return instruction
 
-    async def _submit(self, member: SharedMemberEnv, tool: str | None, arguments: Any, reason: str) -> StepResult:
+    async def _submit(
+        self, member: SharedMemberEnv, action: Action | None, budget_s: float | None, reason: str
+    ) -> StepResult:
         if self._closing is not None or member._closed:
             raise SessionClosedError("the environment is closed")
         if not member._reset:
@@ -288,8 +314,8 @@ class SharedEnvGroup:
         node = self._node_of.get(member.index)
         if node is None:
             raise SessionClosedError("the environment is closed")
-        key = truncate_key(reason) if tool is None else action_key(tool, arguments)
-        call = _Call(key, tool, arguments, reason, asyncio.get_running_loop().create_future())
+        key = truncate_key(reason) if action is None else action_key(action.tool, action.arguments, budget_s)
+        call = _Call(key, action, budget_s, reason, asyncio.get_running_loop().create_future())
         node.pending[member.index] = call
         node.changed.set()
         member._busy = True
@@ -319,7 +345,7 @@ class SharedEnvGroup:
 
     # ------------------------------------------------------------------ nodes and turns
 
-    def _add_node(self, members: set[int], env: TerminalEnv | None) -> _Node:
+    def _add_node(self, members: set[int], env: Environment | None) -> _Node:
         node = _Node(next(self._node_ids), set(members), env)
         for m in node.members:
             self._node_of[m] = node
@@ -353,7 +379,7 @@ class SharedEnvGroup:
         if env is not None:
             await asyncio.shield(self._track(self._close_env(env)))
 
-    async def _close_env(self, env: TerminalEnv) -> None:
+    async def _close_env(self, env: Environment) -> None:
         try:
             await env.close()
         except Exception:  # the backend's reaper gets it; the members are done with it
@@ -489,20 +515,19 @@ class SharedEnvGroup:
         )
         return [node, *branches]
 
-    async def _restore_into(self, env: TerminalEnv, children: list[_Node]) -> None:
+    async def _restore_into(self, env: Environment, children: list[_Node]) -> None:
         """Snapshot the env's sandbox, give each child an env restored from it, delete the snapshot."""
-        from workers.envs.terminal import TerminalEnv
-
-        snap, state = await env.snapshot(metadata={"forkyard.shared": self.task.name})
+        if not isinstance(env, Forkable):
+            raise SessionClosedError(f"task {self.task.name}: its environment cannot fork, so a group cannot split")
+        taken = await env.snapshot(metadata={"forkyard.shared": self.task.name})
+        snap = taken.sandbox
         try:
             spec = SandboxSpec(image=snap.image, resources=snap.resources, network=snap.network,
                                labels=self.labels or {})
             infos = await self.backend.restore(snap, len(children), spec=spec)
+            family = family_of(self.task)
             for child, info in zip(children, infos, strict=True):
-                child.env = TerminalEnv.from_snapshot(
-                    self.task, self.backend, info, state, labels=self.labels, max_output_bytes=env.max_output_bytes,
-                    counters=env.counters,
-                )
+                child.env = family.restore(self.task, self.ctx, info, taken.state, labels=self.labels or {})
         finally:
             # Deleted at close, once no sandbox of the group uses its layers: deleting it now
             # would leave the layers behind after the restored sandboxes are gone.
@@ -514,12 +539,12 @@ class SharedEnvGroup:
         except Exception:  # a stray snapshot costs disk, not the episode
             logger.exception("task %s: deleting fork snapshot %s failed", self.task.name, snapshot_id)
 
-    async def _execute(self, env: TerminalEnv, call: _Call) -> StepResult | Exception:
+    async def _execute(self, env: Environment, call: _Call) -> StepResult | Exception:
         self._executed_steps += 1
         try:
-            if call.tool is None:
+            if call.action is None:
                 return await env.truncate(call.reason)
-            return await env.step(call.tool, call.arguments)
+            return await env.step(call.action, budget_s=call.budget_s)
         except Exception as exc:
             return exc
 

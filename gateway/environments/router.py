@@ -19,7 +19,7 @@ router = APIRouter(prefix="/environments", tags=["environments"])
 @router.post("", status_code=201, response_model=EnvironmentRead)
 async def create_environment(spec: EnvironmentCreate, db_session: DbSession):
     """Create an environment."""
-    return await service.create_environment(db_session=db_session, spec=spec)
+    return service.environment_read(await service.create_environment(db_session=db_session, spec=spec))
 
 
 @router.get("", response_model=EnvironmentPage)
@@ -30,10 +30,10 @@ async def list_environments(
 ):
     """List environments, oldest first."""
     rows, next_cursor = await service.list_environments(db_session=db_session, limit=limit, cursor=cursor)
-    return EnvironmentPage(items=[EnvironmentRead.model_validate(r) for r in rows], next=next_cursor)
+    return EnvironmentPage(items=[service.environment_read(r) for r in rows], next=next_cursor)
 
 
 @router.get("/{environment_id}", response_model=EnvironmentRead)
 async def get_environment(environment_id: str, db_session: DbSession):
-    """Return one environment."""
-    return await service.get_environment(db_session=db_session, environment_id=environment_id)
+    """Return one environment, with the tools its family gives an agent."""
+    return service.environment_read(await service.get_environment(db_session=db_session, environment_id=environment_id))

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from gateway.environments.models import EnvironmentFamily
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
 
@@ -17,7 +16,10 @@ class EnvironmentCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=NAME_PATTERN, description="Unique name (letters, digits, `.`, `_`, `-`).")
-    family: EnvironmentFamily = EnvironmentFamily.TERMINAL
+    family: str = Field(
+        default="terminal", pattern=r"^[a-z][a-z0-9_]{0,31}$",
+        description="The environment family (`terminal`, or one a worker package registers); unknown ones are a 422.",
+    )
     version: str = Field(default="1", min_length=1, max_length=64)
     description: str = Field(default="", max_length=10_000)
 
@@ -29,10 +31,12 @@ class EnvironmentRead(BaseModel):
 
     id: str
     name: str
-    family: EnvironmentFamily
+    family: str
     version: str
     description: str
     created_at: datetime
+    tools: list[dict[str, Any]] = Field(
+        default_factory=list, description="The tools an agent sees in this family, as OpenAI function definitions.")
 
 
 class EnvironmentPage(BaseModel):

@@ -9,22 +9,29 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.db import new_id, utcnow
-from gateway.environments.models import Environment, EnvironmentFamily
-from gateway.environments.schemas import EnvironmentCreate
-from gateway.errors import ConflictError, NotFoundError
+from gateway.environments.models import Environment
+from gateway.environments.schemas import EnvironmentCreate, EnvironmentRead
+from gateway.errors import ConflictError, InvalidRequestError, NotFoundError
 from gateway.pagination import page_of, paginate
+from workers.envs.base import openai_tools
+from workers.envs.registry import family_names, get_family
 
 logger = logging.getLogger(__name__)
 
 #: The environment every gateway has; terminal tasks land here unless told otherwise.
 DEFAULT_ENVIRONMENT = EnvironmentCreate(
-    name="terminal", family=EnvironmentFamily.TERMINAL, version="1",
+    name="terminal", family="terminal", version="1",
     description="Terminal tasks (Harbor/Terminal-Bench style task directories) driven through bash and submit.",
 )
 
 
 async def create_environment(*, db_session: AsyncSession, spec: EnvironmentCreate) -> Environment:
-    """Create an environment; raise ConflictError if the name is taken."""
+    """Create an environment; raise ConflictError if the name is taken, InvalidRequestError if the family is unknown."""
+    if spec.family not in family_names():
+        raise InvalidRequestError(
+            f"Unknown environment family {spec.family!r}; the families this gateway's workers run are: "
+            f"{', '.join(family_names())}.", code="unknown_family",
+        )
     row = Environment(
         id=new_id("env"), name=spec.name, family=spec.family, version=spec.version,
         description=spec.description, created_at=utcnow(),
@@ -68,3 +75,11 @@ async def list_environments(
                     cursor=cursor, limit=limit)
     rows = list((await db_session.scalars(stmt)).all())
     return page_of(rows, limit=limit)
+
+
+def environment_read(row: Environment) -> EnvironmentRead:
+    """Return the API view of an environment, with its family's tools (none if no worker here knows it)."""
+    read = EnvironmentRead.model_validate(row)
+    if row.family in family_names():
+        read.tools = openai_tools(get_family(row.family).tools)
+    return read

@@ -33,6 +33,7 @@ from gateway.tasks import service as tasks_service
 from gateway.tasks.models import Task
 from sandboxes.base import LABEL_OWNER
 from workers.branching import BranchingSpec, Tree
+from workers.envs.registry import family_of
 from workers.errors import WorkerError
 from workers.policy import create_policy_client
 from workers.policy.base import PolicyClient, Sampling
@@ -47,9 +48,9 @@ from workers.runner import (
 if TYPE_CHECKING:
     from gateway.episodes.models import Episode
     from gateway.rollouts.models import Rollout
+    from workers.envs.base import EnvTask
     from workers.policy.chat_template import ChatTokenizer
     from workers.runtime import WorkerRuntime
-    from workers.tasks import TerminalTask
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class Dispatcher:
             return
         running = self._episodes.setdefault(rollout_id, {})
         slots = asyncio.Semaphore(max(1, rollout.concurrency))
-        tasks: dict[str, tuple[TerminalTask, str]] = {}
+        tasks: dict[str, tuple[EnvTask, str]] = {}
         try:
             while True:
                 async with self._sessionmaker() as db:
@@ -173,14 +174,14 @@ class Dispatcher:
             self._episodes.pop(rollout_id, None)
         logger.info("rollout %s: no episode left to run", rollout_id)
 
-    async def _load_task(self, task_id: str) -> tuple[TerminalTask, str]:
+    async def _load_task(self, task_id: str) -> tuple[EnvTask, str]:
         """Return the task and its environment's ``name@version`` (part of the setup cache key)."""
         async with self._sessionmaker() as db:
             row = await db.get(Task, task_id)
             if row is None:
                 raise WorkerError(f"task {task_id} vanished")
             env = await db.get(Environment, row.environment_id)
-            task = await tasks_service.load_terminal_task(db_session=db, task_id=task_id)
+            task = await tasks_service.load_task(db_session=db, task_id=task_id)
         env_version = f"{env.name}@{env.version}" if env is not None else ""
         return task, env_version
 
@@ -193,7 +194,7 @@ class Dispatcher:
         return sorted(members, key=lambda e: e.sample_index) or [episode]
 
     async def _run_shared_group(
-        self, rollout: Rollout, plan: _Plan, episodes: list[Episode], task: TerminalTask, env_version: str
+        self, rollout: Rollout, plan: _Plan, episodes: list[Episode], task: EnvTask, env_version: str
     ) -> None:
         """Run a group's samples on one shared sandbox that forks where their actions diverge."""
         from workers.shared_env import SharedEnvGroup
@@ -210,7 +211,7 @@ class Dispatcher:
         async def new_env() -> Any:
             return runtime.new_env(task, image=image, labels=labels, env_version=env_version)
 
-        group = SharedEnvGroup(new_env, size=len(episodes), backend=runtime.backend, task=task, labels=labels)
+        group = SharedEnvGroup(new_env, size=len(episodes), ctx=runtime.ctx, task=task, labels=labels)
         # Members wait for each other at every step: private stage limits, one real agent slot for all.
         private = StageLimits.of(setup=len(episodes), agent=len(episodes), verify=len(episodes))
         try:
@@ -225,7 +226,7 @@ class Dispatcher:
             logger.info("group %s: %s", episodes[0].group_id, group.stats)
 
     async def _run_episode(
-        self, rollout: Rollout, plan: _Plan, episode: Episode, task: TerminalTask, env_version: str, *,
+        self, rollout: Rollout, plan: _Plan, episode: Episode, task: EnvTask, env_version: str, *,
         stages: StageLimits | None = None, env_factory: Any = None,
     ) -> None:
         sm = self._sessionmaker
@@ -353,9 +354,9 @@ class _Plan:
         self.branching = branching
         self.lazy_fork = lazy_fork
 
-    def shares_sandboxes(self, task: TerminalTask) -> bool:
+    def shares_sandboxes(self, task: EnvTask) -> bool:
         """Tell whether a group of ``task`` runs on one lazily forked sandbox."""
-        return self.lazy_fork and self.branching is None and task.deterministic_tools
+        return self.lazy_fork and self.branching is None and family_of(task).deterministic(task)
 
     @classmethod
     async def load(cls, rollout: Rollout) -> _Plan:
@@ -383,7 +384,7 @@ class _Plan:
         branching = BranchingSpec.from_dict(rollout.branching) if rollout.branching else None
         return cls(spec, settings, sampling, tokenizer, shared, branching, bool(rollout.lazy_fork))
 
-    def policy_for(self, task: TerminalTask) -> PolicyClient:
+    def policy_for(self, task: EnvTask) -> PolicyClient:
         """Return the client for an episode of ``task`` (a fresh one for oracle replays)."""
         if self.shared_policy is not None:
             return self.shared_policy

@@ -22,7 +22,7 @@ from gateway.sandboxes.models import Sandbox
 from gateway.sessions.gate import StepGate
 from gateway.sessions.models import EnvSession, SessionState, SessionStep
 from gateway.tasks.models import Task
-from gateway.tasks.service import get_task, load_terminal_task
+from gateway.tasks.service import get_task, load_task
 from sandboxes.base import SandboxState
 from sandboxes.errors import SandboxCrashedError, SandboxNotFoundError
 from workers.errors import SessionClosedError, SessionNotFoundError
@@ -176,9 +176,9 @@ async def open_session(
     db_session.add(row)
     await db_session.commit()
     try:
-        terminal_task = await load_terminal_task(db_session=db_session, task_id=task.id)
+        env_task = await load_task(db_session=db_session, task_id=task.id)
         opened = await runtime.open_session(
-            row.id, terminal_task, labels={LABEL_TASK_ID: task.id}, env_version=environment_version(task)
+            row.id, env_task, labels={LABEL_TASK_ID: task.id}, env_version=environment_version(task)
         )
     except Exception as exc:
         logger.warning("session %s on task %s failed to open: %s", row.id, task.id, exc)

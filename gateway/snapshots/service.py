@@ -31,7 +31,7 @@ from gateway.sessions import service as sessions_service
 from gateway.sessions.gate import StepGate
 from gateway.sessions.models import EnvSession, SessionState, SessionStep
 from gateway.snapshots.models import SnapshotRecord
-from gateway.tasks.service import load_terminal_task
+from gateway.tasks.service import load_task
 from workers.errors import SessionNotFoundError
 from workers.runtime import SESSION_SNAPSHOT_KEY
 
@@ -127,7 +127,7 @@ async def snapshot_session(
                             code="session_closed") from exc
     try:
         if observation is None:  # no step yet: a fork starts where the session did
-            observation = (await load_terminal_task(db_session=db_session, task_id=source.task_id)).instruction
+            observation = (await load_task(db_session=db_session, task_id=source.task_id)).instruction
         record = SnapshotRecord(
             id=new_id("snap"), node=source.node, backend=snap.sandbox.backend, session_id=session_id,
             task_id=source.task_id, kind=KIND_MANUAL, pinned=False, created_at=utcnow(),
@@ -233,7 +233,7 @@ async def fork_snapshot(
         NotFoundError: no such snapshot (or it was deleted).
         RateLimitedError: the forks would exceed ``max_open`` open sessions on this node.
     """
-    from workers.runtime import SessionSnapshot
+    from workers.envs.base import EnvSnapshot
 
     known = known_snapshots.get(snapshot_id)
     record: SnapshotRecord | None = None
@@ -243,7 +243,7 @@ async def fork_snapshot(
     # No sandbox starts past the limit (the runtime's count; the database's is read beside the restore).
     if runtime.session_count() + n > max_open:
         raise _too_many(n, max_open)
-    task = await load_terminal_task(db_session=db_session, task_id=known.task_id)
+    task = await load_task(db_session=db_session, task_id=known.task_id)
     steps = int(known.state.get("steps") or 0)
     # The history up to the snapshot stays the source session's rows: a fork costs the same
     # after 1 step or 1,000. Each row holds the snapshot (open, snapshot_id) once committed.
@@ -255,7 +255,7 @@ async def fork_snapshot(
     ]
     ids = [r.id for r in rows]
     forking = asyncio.ensure_future(runtime.fork_session(
-        SessionSnapshot.from_json(known.state["session"]), ids, task,
+        EnvSnapshot.from_json(known.state["session"]), ids, task,
         labels={sessions_service.LABEL_TASK_ID: known.task_id},
     ))
     await asyncio.sleep(0)  # the restore starts now, before the reads below

@@ -24,12 +24,14 @@ class Task(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
     environment_id: Mapped[str] = mapped_column(ForeignKey("environment.id"))
+    family: Mapped[str] = mapped_column(String(32))
+    """The environment's family, which decodes ``archive`` (:mod:`workers.envs.registry`)."""
     content_hash: Mapped[str] = mapped_column(String(64))
     instruction: Mapped[str] = mapped_column(Text)
     # "metadata" is reserved on declarative classes, so the attribute has another name.
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
     archive: Mapped[bytes] = mapped_column(LargeBinary, deferred=True)
-    """The task directory as ``workers.tasks.task_to_tar`` bytes (read only to decode it: ``load_terminal_task``)."""
+    """The task as its family's ``encode_task`` bytes (read only to decode it: ``tasks.service.load_task``)."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
 
     environment: Mapped[Environment] = relationship(lazy="joined")

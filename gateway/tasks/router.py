@@ -15,7 +15,7 @@ from gateway.errors import BadRequestError, UnsupportedMediaTypeError
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.tasks import service
 from gateway.tasks.schemas import TaskImport, TaskList, TaskPage, TaskRead
-from workers.tasks import TerminalTask, load_task_files, tasks_from_tar
+from workers.envs.base import EnvFamily, EnvTask
 
 logger = logging.getLogger(__name__)
 
@@ -62,35 +62,44 @@ _IMPORT_BODY = {
 }
 
 
-async def _tasks_from_archive(data: bytes) -> list[TerminalTask]:
-    return await asyncio.to_thread(tasks_from_tar, data)
+async def _tasks_from_upload(family: EnvFamily, data: bytes) -> list[EnvTask]:
+    return await asyncio.to_thread(family.parse_tasks, data)
 
 
-async def _parse_import(request: Request, environment: str) -> list[tuple[str, TerminalTask]]:
-    """Read the upload in whichever of the three forms it came."""
+async def _parse_import(request: Request, db_session: DbSession, environment: str) -> list[tuple[str, EnvTask]]:
+    """Read the upload in whichever of the three forms it came, each task by its environment's family."""
     content_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if content_type == "application/json":
         try:
             spec = TaskImport.model_validate_json(await request.body())
         except ValidationError as exc:
             raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from exc
+        families: dict[str, EnvFamily] = {}
+        for item in spec.tasks:
+            if item.environment not in families:
+                families[item.environment] = await service.environment_family(
+                    db_session=db_session, name=item.environment)
         return [
-            (item.environment, load_task_files(item.name, {path: text.encode() for path, text in item.files.items()}))
+            (item.environment, families[item.environment].load_task(
+                item.name, {path: text.encode() for path, text in item.files.items()}))
             for item in spec.tasks
         ]
     if content_type in TAR_TYPES:
         body = await request.body()
         if not body:
-            raise BadRequestError("The request body is empty; send a tar or tar.gz of task directories.")
-        return [(environment, task) for task in await _tasks_from_archive(body)]
+            raise BadRequestError("The request body is empty; send the tasks in their environment's import format "
+                                  "(a tar or tar.gz of task directories for terminal environments).")
+        family = await service.environment_family(db_session=db_session, name=environment)
+        return [(environment, task) for task in await _tasks_from_upload(family, body)]
     if content_type == "multipart/form-data":
+        family = await service.environment_family(db_session=db_session, name=environment)
         async with request.form() as form:
             uploads = [value for _, value in form.multi_items() if isinstance(value, UploadFile)]
             if not uploads:
                 raise BadRequestError("The multipart upload holds no file; attach a tar or tar.gz as a file field.")
-            found: list[tuple[str, TerminalTask]] = []
+            found: list[tuple[str, EnvTask]] = []
             for upload in uploads:
-                found.extend((environment, task) for task in await _tasks_from_archive(await upload.read()))
+                found.extend((environment, task) for task in await _tasks_from_upload(family, await upload.read()))
         return found
     raise UnsupportedMediaTypeError(
         f"Content-Type {content_type or '(none)'!r} is not accepted; send application/json, "
@@ -106,7 +115,7 @@ async def import_tasks(
     environment: str = Query("terminal", description="Environment of tasks uploaded as archives."),
 ):
     """Import tasks; an identical task already stored is returned rather than duplicated."""
-    tasks = await _parse_import(request, environment)
+    tasks = await _parse_import(request, db_session, environment)
     limits = settings.sandbox_limits
     service.check_task_resources(
         tasks, max_cpus=limits.max_cpus, max_memory_mb=limits.max_memory_mb, max_disk_mb=limits.max_disk_mb

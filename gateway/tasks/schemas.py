@@ -18,7 +18,7 @@ class TaskSpec(BaseModel):
     name: str = Field(min_length=1, max_length=128)
     environment: str = "terminal"
     files: dict[str, str] = Field(
-        description="Every file of the task dir by relative path: instruction.md, task.toml, tests/test.sh, ..."
+        description="Every file of the task by relative path (terminal: instruction.md, task.toml, tests/test.sh, ...)"
     )
 
 
@@ -36,6 +36,7 @@ class TaskRead(BaseModel):
     id: str
     name: str
     environment: str
+    family: str
     content_hash: str
     instruction: str
     metadata: dict[str, Any]
@@ -47,7 +48,8 @@ class TaskRead(BaseModel):
     def from_row(cls, row: Task) -> TaskRead:
         """Build the API view of a task row."""
         return cls(
-            id=row.id, name=row.name, environment=row.environment.name, content_hash=row.content_hash,
+            id=row.id, name=row.name, environment=row.environment.name, family=row.family,
+            content_hash=row.content_hash,
             instruction=row.instruction, metadata=row.meta or {}, created_at=row.created_at,
         )
 

@@ -13,12 +13,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.db import new_id, utcnow
-from gateway.environments.models import Environment, EnvironmentFamily
+from gateway.environments.models import Environment
 from gateway.environments.service import get_environment_by_name
 from gateway.errors import InvalidRequestError, NotFoundError
 from gateway.pagination import page_of, paginate
 from gateway.tasks.models import Task
-from workers.tasks import TerminalTask, task_to_tar, tasks_from_tar
+from workers.envs.base import EnvFamily, EnvTask
+from workers.envs.registry import family_names, family_of, get_family
 
 logger = logging.getLogger(__name__)
 
@@ -27,15 +28,29 @@ async def _resolve_environment(db_session: AsyncSession, name: str) -> Environme
     env = await get_environment_by_name(db_session=db_session, name=name)
     if env is None:
         raise InvalidRequestError(f"Environment {name!r} does not exist; create it with POST /v1/environments first.")
-    if env.family != EnvironmentFamily.TERMINAL:
-        raise InvalidRequestError(
-            f"Environment {name!r} is of family {env.family.value!r}, which takes no terminal tasks."
-        )
     return env
 
 
+def _family(name: str) -> EnvFamily:
+    if name not in family_names():
+        raise InvalidRequestError(
+            f"Environment family {name!r} is not installed beside this gateway (it has: {', '.join(family_names())}).",
+            code="unknown_family",
+        )
+    return get_family(name)
+
+
+async def environment_family(*, db_session: AsyncSession, name: str) -> EnvFamily:
+    """Return the family of the environment named ``name``, which reads tasks imported into it.
+
+    Raises:
+        InvalidRequestError: no such environment, or its family is not installed here.
+    """
+    return _family((await _resolve_environment(db_session, name)).family)
+
+
 def check_task_resources(
-    tasks: Sequence[tuple[str, TerminalTask]], *, max_cpus: float, max_memory_mb: int, max_disk_mb: int | None = None
+    tasks: Sequence[tuple[str, EnvTask]], *, max_cpus: float, max_memory_mb: int, max_disk_mb: int | None = None
 ) -> None:
     """Refuse a task whose sandbox would ask for more than one sandbox may have here.
 
@@ -56,9 +71,13 @@ def check_task_resources(
                 )
 
 
-async def import_tasks(*, db_session: AsyncSession, tasks: Sequence[tuple[str, TerminalTask]]) -> list[Task]:
-    """Store each (environment name, task), reusing an identical task already stored; return them in order."""
-    archives = await asyncio.to_thread(lambda: [task_to_tar(task) for _, task in tasks])
+async def import_tasks(*, db_session: AsyncSession, tasks: Sequence[tuple[str, EnvTask]]) -> list[Task]:
+    """Store each (environment name, task), reusing an identical task already stored; return them in order.
+
+    Raises:
+        InvalidRequestError: an environment does not exist, or is of another family than its task.
+    """
+    archives = await asyncio.to_thread(lambda: [family_of(task).encode_task(task) for _, task in tasks])
     for attempt in range(2):
         try:
             return await _import_once(db_session, tasks, archives)
@@ -71,7 +90,7 @@ async def import_tasks(*, db_session: AsyncSession, tasks: Sequence[tuple[str, T
 
 
 async def _import_once(
-    db_session: AsyncSession, tasks: Sequence[tuple[str, TerminalTask]], archives: list[bytes]
+    db_session: AsyncSession, tasks: Sequence[tuple[str, EnvTask]], archives: list[bytes]
 ) -> list[Task]:
     envs: dict[str, Environment] = {}
     result: list[Task] = []
@@ -81,6 +100,10 @@ async def _import_once(
         if env_name not in envs:
             envs[env_name] = await _resolve_environment(db_session, env_name)
         env = envs[env_name]
+        if task.family != env.family:
+            raise InvalidRequestError(
+                f"Task {task.name!r} is a {task.family} task; environment {env_name!r} is of family {env.family!r}."
+            )
         key = (env.id, task.name, task.content_hash)
         row = seen.get(key)
         if row is None:
@@ -91,7 +114,8 @@ async def _import_once(
             )
         if row is None:
             row = Task(
-                id=new_id("task"), name=task.name, environment_id=env.id, content_hash=task.content_hash,
+                id=new_id("task"), name=task.name, environment_id=env.id, family=task.family,
+                content_hash=task.content_hash,
                 instruction=task.instruction, meta=dict(task.metadata), archive=archive, created_at=utcnow(),
             )
             row.environment = env
@@ -137,10 +161,10 @@ class DecodedTasks:
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = max_bytes
-        self._tasks: OrderedDict[str, tuple[TerminalTask, int]] = OrderedDict()
+        self._tasks: OrderedDict[str, tuple[EnvTask, int]] = OrderedDict()
         self._bytes = 0
 
-    def get(self, task_id: str) -> TerminalTask | None:
+    def get(self, task_id: str) -> EnvTask | None:
         """Return the decoded task, or None if it is not kept."""
         found = self._tasks.get(task_id)
         if found is None:
@@ -148,7 +172,7 @@ class DecodedTasks:
         self._tasks.move_to_end(task_id)
         return found[0]
 
-    def put(self, task_id: str, task: TerminalTask, size: int) -> None:
+    def put(self, task_id: str, task: EnvTask, size: int) -> None:
         """Keep ``task`` (its archive ``size`` bytes), dropping the least recently used past the budget."""
         if size > self.max_bytes or task_id in self._tasks:
             return
@@ -163,18 +187,20 @@ class DecodedTasks:
 decoded_tasks = DecodedTasks()
 
 
-async def load_terminal_task(*, db_session: AsyncSession, task_id: str) -> TerminalTask:
-    """Return the TerminalTask the workers run for a stored task, decoding its archive once per process.
+async def load_task(*, db_session: AsyncSession, task_id: str) -> EnvTask:
+    """Return the task the workers run for a stored task, decoded by its family once per process.
 
     Raises:
         NotFoundError: no such task.
+        InvalidRequestError: its family is not installed here.
     """
     task = decoded_tasks.get(task_id)
     if task is not None:
         return task
-    archive = await db_session.scalar(select(Task.archive).where(Task.id == task_id))
-    if archive is None:
+    found = (await db_session.execute(select(Task.family, Task.archive).where(Task.id == task_id))).first()
+    if found is None:
         raise NotFoundError(f"Task {task_id!r} does not exist.")
-    (task,) = await asyncio.to_thread(tasks_from_tar, archive)
+    family_name, archive = found
+    task = await asyncio.to_thread(_family(family_name).decode_task, archive)
     decoded_tasks.put(task_id, task, len(archive))
     return task

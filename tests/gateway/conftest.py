@@ -24,6 +24,9 @@ from gateway.settings import Settings
 from sandboxes.base import LABEL_NODE, LABEL_OWNER, SandboxInfo, SandboxState
 from sandboxes.errors import SandboxNotFoundError
 from sandboxes.snapshots import Snapshot, snapshot_metadata
+from workers.envs.base import EnvSnapshot as SessionSnapshot
+from workers.envs.base import StepResult
+from workers.envs.terminal.task import TerminalTask
 from workers.errors import (
     ActionError,
     ImageBuildError,
@@ -31,8 +34,7 @@ from workers.errors import (
     SessionNotFoundError,
     TaskSetupError,
 )
-from workers.runtime import SessionOpened, SessionSnapshot, StepResult
-from workers.tasks import TerminalTask
+from workers.runtime import SessionOpened
 
 NODE = "test-node"
 API_KEY = "fy_" + "t" * 40

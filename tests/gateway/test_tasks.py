@@ -8,7 +8,7 @@ from sqlalchemy import select
 from gateway.errors import NotFoundError
 from gateway.tasks.models import Task
 from tests.gateway.conftest import assert_error, tar_of, task_files
-from workers.tasks import tasks_from_tar
+from workers.envs.terminal.task import tasks_from_tar
 
 
 async def test_import_tar_gz_of_several_tasks(gateway):
@@ -129,10 +129,12 @@ async def test_environments_default_create_conflict_list(gateway):
     env = created.json()
     assert env["id"].startswith("env_") and env["version"] == "2" and env["description"] == "harder"
     assert (await gateway.client.get(f"/v1/environments/{env['id']}")).json() == env
+    assert [t["function"]["name"] for t in env["tools"]] == ["bash", "submit"]  # the family's tools
+    assert env["tools"][0]["function"]["parameters"]["required"] == ["command"]
     assert_error(await gateway.client.post("/v1/environments", json={"name": "terminal-hard"}), 409, "conflict")
     error = assert_error(await gateway.client.post("/v1/environments", json={"name": "x", "family": "chess"}),
-                         422, "validation_error")
-    assert "family" in error["message"]
+                         422, "unknown_family")
+    assert "'chess'" in error["message"] and "terminal" in error["message"]
     task = await gateway.client.post("/v1/tasks", json={"tasks": [{"name": "h", "environment": "terminal-hard",
                                                                    "files": task_files("h")}]})
     assert task.json()["items"][0]["environment"] == "terminal-hard"
@@ -196,14 +198,16 @@ async def test_a_stored_task_is_decoded_once_per_process(gateway, monkeypatch):
     assert response.status_code == 201, response.text
     task_id = response.json()["items"][0]["id"]
     decodes = []
-    real = tasks_service.tasks_from_tar
-    monkeypatch.setattr(tasks_service, "tasks_from_tar", lambda data: decodes.append(len(data)) or real(data))
+    from workers.envs.terminal import FAMILY
+
+    real = FAMILY.decode_task
+    monkeypatch.setattr(FAMILY, "decode_task", lambda data: decodes.append(len(data)) or real(data))
     monkeypatch.setattr(tasks_service, "decoded_tasks", tasks_service.DecodedTasks())
     async with gateway.app.state.sessionmaker() as db:
-        first = await tasks_service.load_terminal_task(db_session=db, task_id=task_id)
-        second = await tasks_service.load_terminal_task(db_session=db, task_id=task_id)
+        first = await tasks_service.load_task(db_session=db, task_id=task_id)
+        second = await tasks_service.load_task(db_session=db, task_id=task_id)
         with pytest.raises(NotFoundError):
-            await tasks_service.load_terminal_task(db_session=db, task_id="task_missing")
+            await tasks_service.load_task(db_session=db, task_id="task_missing")
     assert first is second and first.name == "decoded-once" and len(decodes) == 1
 
 

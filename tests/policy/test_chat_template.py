@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from workers.envs.terminal import TOOLS
+from workers.envs.base import openai_tools
+from workers.envs.terminal import FAMILY
 from workers.policy.chat_template import (
     ChatTemplateError,
     ChatTokenizer,
@@ -15,6 +16,8 @@ from workers.policy.chat_template import (
 )
 from workers.policy.tiny_model import IM_END
 from workers.policy.toolcalls import format_tool_call
+
+TOOLS = openai_tools(FAMILY.tools)
 
 
 @pytest.fixture(scope="module")

@@ -23,16 +23,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from workers.envs.terminal import TOOLS
+from workers.envs.base import openai_tools
+from workers.envs.terminal import FAMILY, ORACLE_DIR
+from workers.envs.terminal.task import load_task_dir
 from workers.policy import create_policy_client
 from workers.policy.base import Generation, PolicyError, Sampling, parse_weight_version
 from workers.policy.chat import ChatPolicy
 from workers.policy.chat_template import ChatTokenizer
 from workers.policy.router import ServerPool, normalize_base_url
-from workers.policy.scripted import ORACLE_DIR, ScriptedPolicy, oracle_actions
+from workers.policy.scripted import ScriptedPolicy, oracle_actions
 from workers.policy.tokens import TokensPolicy
 from workers.policy.toolcalls import parse_tool_calls
-from workers.tasks import load_task_dir
+
+TOOLS = openai_tools(FAMILY.tools)
 
 EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "terminal"
 MESSAGES = [

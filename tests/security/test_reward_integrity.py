@@ -12,7 +12,8 @@ import pytest
 
 from tests.sandboxes.conftest import BACKENDS, GVISOR
 from tests.workers.test_terminal_env import make_harness, probe_task
-from workers.envs.terminal import REWARD_MAX_BYTES, VERIFIER_SNAPSHOT_KEY
+from workers.envs.base import Action
+from workers.envs.terminal.env import REWARD_MAX_BYTES, VERIFIER_SNAPSHOT_KEY
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,7 +34,7 @@ async def harness(request, tmp_path_factory):
 
 
 async def _submit(env):
-    result = await env.step("submit", {})
+    result = await env.step(Action("submit", {}))
     assert result.terminated or result.truncated
     return result
 
@@ -51,7 +52,7 @@ async def test_background_process_cannot_rewrite_the_reward(harness):
             "nohup bash -c 'while :; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
             "sleep 0.01; done' >/dev/null 2>&1 & echo started"
         )
-        assert "started" in (await env.step("bash", {"command": forge})).observation
+        assert "started" in (await env.step(Action("bash", {"command": forge}))).observation
         result = await _submit(env)
         assert result.reward == 0.0, result.observation
         assert "verifier done: 0" in result.info["verifier"]["stdout"]
@@ -65,7 +66,7 @@ async def test_background_process_cannot_rewrite_the_tests(harness):
             "printf \"#!/bin/bash\\nmkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt\\n\" > /tests/test.sh; "
             "fi; sleep 0.005; done' >/dev/null 2>&1 & echo started"
         )
-        await env.step("bash", {"command": forge})
+        await env.step(Action("bash", {"command": forge}))
         result = await _submit(env)
         assert result.reward == 0.0, result.observation
     await _nothing_left(harness)
@@ -86,7 +87,7 @@ fi
             "(nohup python3 -m http.server 8123 --bind 127.0.0.1 >/dev/null 2>&1 &) && sleep 1 && "
             "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/ok.txt').read())\""
         )
-        assert "served" in (await env.step("bash", {"command": serve})).observation
+        assert "served" in (await env.step(Action("bash", {"command": serve}))).observation
         result = await _submit(env)
         assert result.reward == 1.0, result.observation
     await _nothing_left(harness)

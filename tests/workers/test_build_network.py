@@ -19,8 +19,9 @@ from sandboxes.backends import create_backend
 from sandboxes.base import SandboxSpec
 from tests.conftest import base_image
 from workers.dockerfile import build_task_image
-from workers.envs.terminal import TerminalEnv
-from workers.tasks import load_task_files
+from workers.envs.base import Action
+from workers.envs.terminal.env import TerminalEnv
+from workers.envs.terminal.task import load_task_files
 from workers.trust import CA_BUNDLE_PATH, SYSTEM_CA_BUNDLE, read_ca_bundle
 
 HTTPS_PROBE = "python3 -c \"import urllib.request as u; print(u.urlopen('https://pypi.org/simple/six/', timeout=30).status)\""
@@ -74,8 +75,8 @@ async def test_a_networked_task_trusts_the_hosts_bundle_and_an_offline_one_gets_
     env = TerminalEnv(task, backend, image=await base_image(backend), ca_bundle=read_ca_bundle(SYSTEM_CA_BUNDLE))
     try:
         await env.reset()
-        probe = await env.step("bash", {"command": f"echo ${{PIP_CERT:-none}}; {HTTPS_PROBE} 2>&1 | tail -1",
-                                        "timeout": 60})
+        probe = await env.step(Action("bash", {"command": f"echo ${{PIP_CERT:-none}}; {HTTPS_PROBE} 2>&1 | tail -1",
+                                        "timeout": 60}))
         first, second = probe.observation.splitlines()[:2]
         if internet:
             assert (first, second) == (CA_BUNDLE_PATH, "200"), probe.observation

@@ -7,12 +7,10 @@ import uuid
 
 import pytest
 
-from tests.live import FORKYARD
 from sandboxes.base import SandboxSpec
+from tests.live import FORKYARD
 from tests.sandboxes.conftest import BASE_REF, backend_root, local_backend  # noqa: F401 - the fixture
 from workers.dockerfile import ENV_IMAGE_NAME, build_task_image
-
-
 
 
 @pytest.mark.local
@@ -106,8 +104,8 @@ async def test_the_runtime_keeps_built_images_under_its_cap_but_never_the_one_it
 ):
     from pathlib import Path
 
+    from workers.envs.terminal.task import load_task_files
     from workers.runtime import WorkerRuntime
-    from workers.tasks import load_task_files
 
     async for backend in local_backend(backend_root / "sandboxes", base_rootfs, node_name):
         stale = await build_task_image(backend, dockerfile=f"FROM base\nRUN echo {uuid.uuid4().hex} > /stale\n",

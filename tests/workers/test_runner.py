@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from sandboxes.backends import create_backend
+from tests.conftest import base_image
 from workers.branching import BranchingSpec, Tree
+from workers.envs.terminal.task import load_task_dir
 from workers.policy import create_policy_client
 from workers.policy.base import Sampling
 from workers.runner import AgentSettings, StageLimits, run_episode
 from workers.runtime import WorkerRuntime
-from workers.tasks import load_task_dir
-from tests.conftest import base_image
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "terminal"
 TASK = load_task_dir(EXAMPLES / "count-log-errors")

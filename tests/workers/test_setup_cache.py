@@ -23,10 +23,12 @@ import pytest
 from sandboxes.base import LABEL_OWNER
 from sandboxes.errors import ImageNotFoundError, SandboxError
 from sandboxes.snapshots import Snapshot
-from workers.envs.terminal import TerminalEnv
+from workers.envs.base import Action, run_actions
+from workers.envs.terminal import FAMILY
+from workers.envs.terminal.env import TerminalEnv
+from workers.envs.terminal.task import TerminalTask, load_task_dir, load_task_files
 from workers.errors import TaskFormatError, TaskSetupError
 from workers.setup_cache import SetupCache, SetupCacheKey
-from workers.tasks import TerminalTask, load_task_dir, load_task_files
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "terminal"
 SLOW_TASK = load_task_dir(EXAMPLES / "sensor-stats")
@@ -225,11 +227,11 @@ async def test_second_reset_of_a_slow_setup_is_a_hit_with_the_same_state(rig: Ri
         assert (stats["hits"], stats["misses"], stats["entries"]) == (1, 1, 1) and stats["bytes"] > 1 << 20
 
         # The restored sandbox is an ordinary episode: the oracle solves it; steps are counted.
-        step = await warm.step("bash", {"command": "test -d /opt/venv && echo ready"})
+        step = await warm.step(Action("bash", {"command": "test -d /opt/venv && echo ready"}))
         assert step.observation.startswith("ready")
-        result = await warm.run_oracle()
+        result = await run_actions(warm, FAMILY.oracle(SLOW_TASK))
         assert result.reward == 1.0, result.info
-        assert counters["env_steps"] == 1
+        assert counters["env_steps"] == 3  # the probe, then the oracle's bash call and its submit
 
         # A second reset of the same env hits too.
         await warm.reset()
@@ -296,7 +298,7 @@ async def test_a_cap_under_two_entries_evicts_the_older_one_even_while_a_restore
         assert entry.snapshot.id not in {s.id for s in await rig.backend.list_snapshots()}
         # The sandbox restored from the evicted snapshot goes on unharmed...
         assert await _sh(envs[1], "sha256sum /opt/blob") == blob
-        step = await envs[1].step("bash", {"command": "touch /app/done"})
+        step = await envs[1].step(Action("bash", {"command": "touch /app/done"}))
         assert "[exit code: 0]" in step.observation
         # ...and the snapshot's storage is freed once that sandbox is gone.
         assert await rig.storage_present(entry.snapshot)
@@ -407,7 +409,7 @@ async def test_without_a_cache_setup_runs_at_every_reset(rig: Rig) -> None:
         second = await _sh(env, "cat /var/log/quick-setup.log")
         assert first.count("run ") == second.count("run ") == 1 and first != second
         assert counters == {"resets": 2, "setup_runs": 2}
-        await env.step("bash", {"command": "true"})
+        await env.step(Action("bash", {"command": "true"}))
         await env.truncate("max turns reached")
         assert counters["env_steps"] == 2
     finally:
@@ -519,8 +521,8 @@ async def test_a_failing_index_write_changes_nothing_and_the_reset_goes_on_uncac
         assert "cannot store its setup in the setup cache" in caplog.text and "No space left" in caplog.text
         # The reset goes on with its freshly set-up sandbox, an ordinary episode.
         assert (await _sh(env, "cat /var/log/quick-setup.log")).count("run ") == 1
-        await env.step("bash", {"command": "touch /app/done"})
-        assert (await env.step("submit")).reward == 1.0
+        await env.step(Action("bash", {"command": "touch /app/done"}))
+        assert (await env.step(Action("submit"))).reward == 1.0
         # The cache is as it was: task one kept, its index unchanged, task two's snapshot deleted.
         assert cache.entries() == [kept] and cache.stats()["evictions"] == 0
         assert cache.index_path.read_text() == index

@@ -19,10 +19,11 @@ import pytest
 
 from sandboxes.base import LABEL_OWNER
 from sandboxes.errors import SandboxError
-from workers.envs.terminal import TerminalEnv
+from workers.envs.base import Action, EnvContext
+from workers.envs.terminal.env import TerminalEnv
+from workers.envs.terminal.task import TerminalTask, load_task_files
 from workers.errors import ActionError, SessionClosedError
 from workers.shared_env import SharedEnvGroup, SharedMemberEnv, action_key, truncate_key
-from workers.tasks import TerminalTask, load_task_files
 
 DOCKERFILE = b"FROM ubuntu:24.04\nRUN mkdir -p /app && echo seed > /app/seed.txt\nWORKDIR /app\n"
 # Scores 1 when /app/answer says "right"; prints what it saw so observations differ by branch.
@@ -41,14 +42,14 @@ TASK: TerminalTask = load_task_files(
     },
 )
 
-Action = tuple[str, Any]  # ("bash", {...}) / ("submit", {}) / ("truncate", reason)
+Move = tuple[str, Any]  # ("bash", {...}) / ("submit", {}) / ("truncate", reason)
 
 
-def bash(command: str) -> Action:
+def bash(command: str) -> Move:
     return ("bash", {"command": command})
 
 
-SUBMIT: Action = ("submit", {})
+SUBMIT: Move = ("submit", {})
 
 
 # ------------------------------------------------------------------ no backend needed
@@ -66,10 +67,10 @@ def test_action_keys_are_canonical() -> None:
 
 def test_a_group_needs_members_and_a_positive_barrier() -> None:
     with pytest.raises(ValueError, match="at least one"):
-        SharedEnvGroup(_unused_factory, size=0, backend=None, task=TASK)  # type: ignore[arg-type]
+        SharedEnvGroup(_unused_factory, size=0, ctx=None, task=TASK)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="barrier_timeout_s"):
-        SharedEnvGroup(_unused_factory, size=2, backend=None, task=TASK, barrier_timeout_s=0)  # type: ignore[arg-type]
-    group = SharedEnvGroup(_unused_factory, size=2, backend=None, task=TASK)  # type: ignore[arg-type]
+        SharedEnvGroup(_unused_factory, size=2, ctx=None, task=TASK, barrier_timeout_s=0)  # type: ignore[arg-type]
+    group = SharedEnvGroup(_unused_factory, size=2, ctx=None, task=TASK)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="member index"):
         group.member(2)
 
@@ -103,7 +104,8 @@ class Harness:
         async def new_env() -> TerminalEnv:
             return TerminalEnv(TASK, self.backend, image=self.image, labels=labels)
 
-        return SharedEnvGroup(new_env, size=size, backend=self.backend, task=TASK, labels=labels, **kwargs)
+        ctx = EnvContext(self.backend, image_cache_dir=Path("/nonexistent"))
+        return SharedEnvGroup(new_env, size=size, ctx=ctx, task=TASK, labels=labels, **kwargs)
 
     async def sandboxes(self, labels: dict[str, str]) -> list[str]:
         owner = labels[LABEL_OWNER]
@@ -153,17 +155,17 @@ def _record(result) -> tuple:
     return (result.observation, result.reward, result.terminated, result.truncated, info)
 
 
-async def _apply(env: TerminalEnv | SharedMemberEnv, action: Action) -> tuple:
+async def _apply(env: TerminalEnv | SharedMemberEnv, action: Move) -> tuple:
     tool, arguments = action
     try:
         if tool == "truncate":
             return _record(await env.truncate(arguments))
-        return _record(await env.step(tool, arguments))
+        return _record(await env.step(Action(tool, arguments)))
     except ActionError as exc:
         return ("ActionError", str(exc))
 
 
-async def _play(env: TerminalEnv | SharedMemberEnv, actions: Sequence[Action]) -> list[tuple]:
+async def _play(env: TerminalEnv | SharedMemberEnv, actions: Sequence[Move]) -> list[tuple]:
     """Reset, apply the actions in order and close; return what each action gave."""
     try:
         assert await env.reset() == TASK.instruction
@@ -172,7 +174,7 @@ async def _play(env: TerminalEnv | SharedMemberEnv, actions: Sequence[Action]) -
         await env.close()
 
 
-async def _reference(harness: Harness, scripts: Sequence[Sequence[Action]], labels: dict[str, str]) -> list[list]:
+async def _reference(harness: Harness, scripts: Sequence[Sequence[Move]], labels: dict[str, str]) -> list[list]:
     """Run every script on its own plain TerminalEnv (the uncached reference)."""
     return list(
         await asyncio.gather(
@@ -225,7 +227,7 @@ async def test_reset_runs_once_and_only_once_per_member(harness: Harness) -> Non
     finally:
         await _assert_clean(harness, group, labels)
     with pytest.raises(SessionClosedError):
-        await group.member(1).step("bash", {"command": "true"})
+        await group.member(1).step(Action("bash", {"command": "true"}))
 
 
 async def test_a_member_closing_early_does_not_block_the_others(harness: Harness) -> None:
@@ -256,13 +258,13 @@ async def test_a_cancelled_call_is_withdrawn(harness: Harness) -> None:
     a, b = group.member(0), group.member(1)
     try:
         await asyncio.gather(a.reset(), b.reset())
-        waiting = asyncio.ensure_future(b.step("bash", {"command": "echo b > /app/x"}))
+        waiting = asyncio.ensure_future(b.step(Action("bash", {"command": "echo b > /app/x"})))
         await asyncio.sleep(0.1)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
         # b's call never ran: a alone decides the next turn once b leaves.
-        step = asyncio.ensure_future(a.step("bash", {"command": "cat /app/x 2>&1; echo a > /app/x; cat /app/x"}))
+        step = asyncio.ensure_future(a.step(Action("bash", {"command": "cat /app/x 2>&1; echo a > /app/x; cat /app/x"})))
         await b.close()
         result = await asyncio.wait_for(step, timeout=60)
         assert "No such file" in result.observation and result.observation.endswith("a\n[exit code: 0]")
@@ -316,9 +318,9 @@ async def test_action_errors_reach_every_member_of_their_key(harness: Harness) -
     try:
         await asyncio.gather(a.reset(), b.reset(), reference.reset())
         with pytest.raises(ActionError) as expected:
-            await reference.step("bash", {"command": 3})
+            await reference.step(Action("bash", {"command": 3}))
         errors = await asyncio.gather(
-            a.step("bash", {"command": 3}), b.step("bash", {"command": 3}), return_exceptions=True
+            a.step(Action("bash", {"command": 3})), b.step(Action("bash", {"command": 3})), return_exceptions=True
         )
         assert [type(e) for e in errors] == [ActionError, ActionError]
         assert [str(e) for e in errors] == [str(expected.value)] * 2
@@ -326,11 +328,11 @@ async def test_action_errors_reach_every_member_of_their_key(harness: Harness) -
         assert group.stats["executed_steps"] == 1 and group.stats["shared_steps"] == 1
         # Diverging on a bad call: only its key gets the error, the episode goes on for both.
         outcomes = await asyncio.gather(
-            a.step("rm_rf", {}), b.step("bash", {"command": "echo ok"}), return_exceptions=True
+            a.step(Action("rm_rf", {})), b.step(Action("bash", {"command": "echo ok"})), return_exceptions=True
         )
         assert isinstance(outcomes[0], ActionError) and "unknown tool 'rm_rf'" in str(outcomes[0])
         assert outcomes[1].observation == "ok\n[exit code: 0]"
-        assert (await a.step("bash", {"command": "echo still here"})).observation == "still here\n[exit code: 0]"
+        assert (await a.step(Action("bash", {"command": "echo still here"}))).observation == "still here\n[exit code: 0]"
         assert group.stats["forks"] == 1
     finally:
         await reference.close()
@@ -347,7 +349,7 @@ async def test_other_errors_reach_every_member_too(harness: Harness) -> None:
         (sandbox_id,) = await harness.sandboxes(labels)
         await harness.backend.destroy(sandbox_id)  # the sandbox dies under the group
         errors = await asyncio.gather(
-            *(group.member(i).step("bash", {"command": "true"}) for i in range(2)), return_exceptions=True
+            *(group.member(i).step(Action("bash", {"command": "true"})) for i in range(2)), return_exceptions=True
         )
         assert all(isinstance(e, SandboxError) for e in errors), errors
         assert type(errors[0]) is type(errors[1]) and str(errors[0]) == str(errors[1])
@@ -363,11 +365,11 @@ async def test_aclose_mid_episode_leaves_no_sandbox_and_no_snapshot(harness: Har
     members = [group.member(i) for i in range(4)]
     try:
         await asyncio.gather(*(m.reset() for m in members))
-        await asyncio.gather(*(m.step("bash", {"command": f"echo {i % 3} > /app/x"}) for i, m in enumerate(members)))
+        await asyncio.gather(*(m.step(Action("bash", {"command": f"echo {i % 3} > /app/x"})) for i, m in enumerate(members)))
         assert group.stats["forks"] == 1
         assert len(await harness.sandboxes(labels)) == 3
         # Member 0 waits at its node's barrier for member 3 (same branch), which never comes.
-        waiting = asyncio.ensure_future(members[0].step("bash", {"command": "cat /app/x"}))
+        waiting = asyncio.ensure_future(members[0].step(Action("bash", {"command": "cat /app/x"})))
         await asyncio.sleep(0.1)
         assert not waiting.done()
     finally:
@@ -375,7 +377,7 @@ async def test_aclose_mid_episode_leaves_no_sandbox_and_no_snapshot(harness: Har
     with pytest.raises(SessionClosedError):
         await asyncio.wait_for(waiting, timeout=30)
     with pytest.raises(SessionClosedError):
-        await members[1].step("bash", {"command": "true"})
+        await members[1].step(Action("bash", {"command": "true"}))
 
 
 async def test_a_stalled_member_leaving_while_its_fork_restores_leaves_no_sandbox(
@@ -396,7 +398,7 @@ async def test_a_stalled_member_leaving_while_its_fork_restores_leaves_no_sandbo
     monkeypatch.setattr(harness.backend, "restore", slow_restore)
     try:
         await asyncio.gather(*(m.reset() for m in members))
-        steps = [asyncio.ensure_future(m.step("bash", {"command": "echo hi > /app/x"})) for m in members[:2]]
+        steps = [asyncio.ensure_future(m.step(Action("bash", {"command": "echo hi > /app/x"}))) for m in members[:2]]
         await asyncio.wait_for(restoring.wait(), 30)  # member 2 sent nothing: it is being split off
         await members[2].close()
         closing = asyncio.ensure_future(group.aclose())

@@ -17,9 +17,9 @@ import pytest
 from sandboxes.backends import create_backend
 from sandboxes.base import ImageConfig, SandboxSpec
 from tests.conftest import base_image
+from workers.envs.terminal.task import load_task_files
 from workers.errors import ImageBuildError
 from workers.runtime import WorkerRuntime
-from workers.tasks import load_task_files
 from workers.trust import SYSTEM_CA_BUNDLE, read_ca_bundle
 
 
@@ -105,11 +105,11 @@ async def test_a_toolchain_stand_in_and_an_unmapped_image(runtime):
     assert await read(runtime, image, "/m; echo $?") == "7\n"
     with pytest.raises(ImageBuildError, match="no such local image"):
         await runtime.task_image(task("", b"FROM quay.io/someone/private:1\nRUN true\n"))
-    runtime.stand_ins = {"quay.io/someone/*": "base"}  # the table is the operator's
+    runtime.ctx.stand_ins = {"quay.io/someone/*": "base"}  # the table is the operator's
     try:
         assert await runtime.task_image(task("", b"FROM quay.io/someone/private:1\nRUN true\n"))
     finally:
-        runtime.stand_ins = None
+        runtime.ctx.stand_ins = None
 
 
 @pytest.mark.local

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from workers import tasks as tasks_module
-from workers.errors import TaskFormatError
-from workers.tasks import (
+from workers.envs.terminal import task as tasks_module
+from workers.envs.terminal.task import (
     TerminalTask,
     load_task_dir,
     load_task_files,
     task_to_tar,
     tasks_from_tar,
 )
+from workers.errors import TaskFormatError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "terminal"
 EXAMPLE_DIRS = sorted(p for p in EXAMPLES.iterdir() if p.is_dir())

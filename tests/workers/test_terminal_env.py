@@ -19,17 +19,18 @@ import pytest
 
 from sandboxes.base import LABEL_OWNER, ExecResult
 from sandboxes.errors import SandboxNotFoundError
-from workers.envs.terminal import (
+from workers.envs.base import Action, openai_tools, run_actions
+from workers.envs.terminal import FAMILY
+from workers.envs.terminal.env import (
     BASH_TOOL,
     SUBMIT_TOOL,
     TOOLS,
     TerminalEnv,
     format_exec_result,
-    parse_reward_json,
-    parse_reward_txt,
 )
+from workers.envs.terminal.task import TerminalTask, load_task_dir, load_task_files
+from workers.envs.terminal.verifier import parse_reward_json, parse_reward_txt
 from workers.errors import ActionError, SessionClosedError, TaskFormatError
-from workers.tasks import TerminalTask, load_task_dir, load_task_files
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "terminal"
 EXAMPLE_TASKS = {p.name: load_task_dir(p) for p in sorted(EXAMPLES.iterdir()) if (p / "task.toml").is_file()}
@@ -69,14 +70,15 @@ def probe_task(
 
 
 def test_tools_are_openai_function_tools() -> None:
-    assert TOOLS == [BASH_TOOL, SUBMIT_TOOL]
-    for tool in TOOLS:
+    assert TOOLS == (BASH_TOOL, SUBMIT_TOOL)
+    for tool in openai_tools(TOOLS):
         assert tool["type"] == "function"
         assert set(tool["function"]) == {"name", "description", "parameters"}
         assert tool["function"]["parameters"]["type"] == "object"
-    assert BASH_TOOL["function"]["parameters"]["required"] == ["command"]
-    assert set(BASH_TOOL["function"]["parameters"]["properties"]) == {"command", "timeout"}
-    assert SUBMIT_TOOL["function"]["parameters"]["properties"] == {}
+    assert BASH_TOOL.parameters["required"] == ["command"]
+    assert set(BASH_TOOL.parameters["properties"]) == {"command", "timeout"}
+    assert SUBMIT_TOOL.parameters["properties"] == {}
+    assert SUBMIT_TOOL.ends_episode and not BASH_TOOL.ends_episode
 
 
 @pytest.mark.parametrize(
@@ -128,9 +130,9 @@ def test_reward_json_garbage_is_refused(raw: bytes) -> None:
 async def test_step_before_reset_is_refused() -> None:
     env = TerminalEnv(probe_task(), backend=None, image="unused")  # type: ignore[arg-type]
     with pytest.raises(SessionClosedError, match="reset"):
-        await env.step("bash", {"command": "true"})
+        await env.step(Action("bash", {"command": "true"}))
     with pytest.raises(SessionClosedError):
-        await env.run_oracle()
+        await run_actions(env, FAMILY.oracle(probe_task()))
 
 
 # ------------------------------------------------------------------ real backends
@@ -221,7 +223,7 @@ async def test_task_storage_is_the_sandboxs_disk_quota(harness: Harness) -> None
     async with harness.env(probe_task(environment='storage = "64M"')) as env:
         fill = "dd if=/dev/zero of=/app/fill bs=1M count=256 2>&1 | grep -io 'quota exceeded\\|no space left'; " \
                "du -sm /app/fill | cut -f1"
-        observation = (await env.step("bash", {"command": fill})).observation
+        observation = (await env.step(Action("bash", {"command": fill}))).observation
         refusal, used = observation.splitlines()[:2]
         assert refusal.lower() in ("quota exceeded", "no space left"), observation
         assert int(used) <= 64, observation
@@ -232,36 +234,35 @@ async def test_example_oracle_scores_one(harness: Harness, name: str) -> None:
     task = EXAMPLE_TASKS[name]
     async with harness.env(task) as env:
         assert env.sandbox is not None and env.sandbox.labels.get(LABEL_OWNER) == harness.owner
-        result = await env.run_oracle()
-        assert result.info["oracle"]["exit_code"] == 0, result.info["oracle"]
+        result = await run_actions(env, FAMILY.oracle(task))
         assert "verifier_error" not in result.info, result.info
         assert result.reward == 1.0, result.info
         assert result.terminated and not result.truncated
         assert result.observation.endswith("[reward: 1]")
         with pytest.raises(SessionClosedError):
-            await env.step("bash", {"command": "true"})
+            await env.step(Action("bash", {"command": "true"}))
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLE_TASKS))
 async def test_example_submit_right_away_scores_zero(harness: Harness, name: str) -> None:
     task = EXAMPLE_TASKS[name]
     async with harness.env(task) as env:
-        result = await env.step("submit", {})
+        result = await env.step(Action("submit", {}))
         assert "verifier_error" not in result.info, result.info
         assert result.reward == 0.0
         assert result.terminated and not result.truncated
         assert result.info["verifier"]["exit_code"] is not None
         with pytest.raises(SessionClosedError):
-            await env.step("submit", {})
+            await env.step(Action("submit", {}))
         with pytest.raises(SessionClosedError):
-            await env.run_oracle()
+            await run_actions(env, FAMILY.oracle(task))
 
 
 async def test_partial_credit_from_reward_json(harness: Harness) -> None:
     async with harness.env(EXAMPLE_TASKS["git-bugfix"]) as env:
-        step = await env.step("bash", {"command": "cd /app/stats && git checkout -q -b fix-mean && git branch"})
+        step = await env.step(Action("bash", {"command": "cd /app/stats && git checkout -q -b fix-mean && git branch"}))
         assert "* fix-mean" in step.observation and step.reward is None
-        result = await env.step("submit", {})
+        result = await env.step(Action("submit", {}))
     assert result.info["reward_details"] == {"branch": 1.0, "fix": 0.0, "commit": 0.0}
     assert result.reward == pytest.approx(1 / 3)
 
@@ -269,20 +270,20 @@ async def test_partial_credit_from_reward_json(harness: Harness) -> None:
 async def test_bash_steps_and_verifier_runs_from_the_workdir(harness: Harness) -> None:
     async with harness.env(probe_task()) as env:
         assert env.workdir == "/app"
-        step = await env.step("bash", {"command": "echo out; echo err >&2; (exit 3)"})
+        step = await env.step(Action("bash", {"command": "echo out; echo err >&2; (exit 3)"}))
         assert step.observation == "out\n[stderr]\nerr\n[exit code: 3]"
         assert (step.reward, step.terminated, step.truncated) == (None, False, False)
         assert step.info["exit_code"] == 3
-        step = await env.step("bash", {"command": "ls /tests"})
+        step = await env.step(Action("bash", {"command": "ls /tests"}))
         assert step.info["exit_code"] != 0, "the tests must not be visible before verification"
         # The agent moves away, exports variables (a broken PATH too) and forges a reward;
         # none of it may reach the verifier.
-        await env.step("bash", {"command": "cd /tmp && export MARK=1"})
-        step = await env.step("bash", {"command": "pwd; echo $MARK"})
+        await env.step(Action("bash", {"command": "cd /tmp && export MARK=1"}))
+        step = await env.step(Action("bash", {"command": "pwd; echo $MARK"}))
         assert step.observation == "/tmp\n1\n[exit code: 0]"
-        await env.step("bash", {"command": "touch /app/done && echo 5 > /logs/verifier/reward.txt"})
-        await env.step("bash", {"command": "export PATH=/nowhere"})
-        result = await env.step("submit", {})
+        await env.step(Action("bash", {"command": "touch /app/done && echo 5 > /logs/verifier/reward.txt"}))
+        await env.step(Action("bash", {"command": "export PATH=/nowhere"}))
+        result = await env.step(Action("submit", {}))
         assert result.reward == 1.0, result.info
         assert result.info["verifier"]["exit_code"] == 0
         assert "verifier ran in /app with MARK=unset" in result.info["verifier"]["stdout"]
@@ -292,8 +293,8 @@ async def test_bash_steps_and_verifier_runs_from_the_workdir(harness: Harness) -
 async def test_forged_reward_without_a_verifier_reward_is_an_error(harness: Harness) -> None:
     silent = b"#!/bin/bash\necho 'no reward written'\n"
     async with harness.env(probe_task(silent)) as env:
-        await env.step("bash", {"command": "mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt"})
-        result = await env.step("submit", {})
+        await env.step(Action("bash", {"command": "mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt"}))
+        result = await env.step(Action("submit", {}))
     assert result.reward == 0.0
     assert "neither" in result.info["verifier_error"]
 
@@ -311,7 +312,7 @@ async def test_forged_reward_without_a_verifier_reward_is_an_error(harness: Harn
 )
 async def test_verifier_writing_garbage_is_a_verifier_error(harness: Harness, test_sh: bytes, words: str) -> None:
     async with harness.env(probe_task(test_sh)) as env:
-        result = await env.step("submit", {})
+        result = await env.step(Action("submit", {}))
     assert result.reward == 0.0
     assert result.terminated
     assert words in result.info["verifier_error"]
@@ -320,8 +321,8 @@ async def test_verifier_writing_garbage_is_a_verifier_error(harness: Harness, te
 
 async def test_a_wrecked_sandbox_scores_zero_with_a_verifier_error(harness: Harness) -> None:
     async with harness.env(probe_task()) as env:
-        await env.step("bash", {"command": "touch /app/done && rm -rf /logs && touch /logs"})
-        result = await env.step("submit", {})
+        await env.step(Action("bash", {"command": "touch /app/done && rm -rf /logs && touch /logs"}))
+        result = await env.step(Action("submit", {}))
     assert result.reward == 0.0
     assert "could not run" in result.info["verifier_error"]
 
@@ -329,7 +330,7 @@ async def test_a_wrecked_sandbox_scores_zero_with_a_verifier_error(harness: Harn
 async def test_verifier_timeout_is_a_verifier_error(harness: Harness) -> None:
     slow = b"#!/bin/bash\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\nsleep 60\n"
     async with harness.env(probe_task(slow, verifier_timeout=1)) as env:
-        result = await env.step("submit", {})
+        result = await env.step(Action("submit", {}))
     assert result.reward == 0.0
     assert result.info["verifier"]["timed_out"] is True
     assert "timed out" in result.info["verifier_error"]
@@ -338,7 +339,7 @@ async def test_verifier_timeout_is_a_verifier_error(harness: Harness) -> None:
 async def test_bad_actions_raise_and_the_session_goes_on(harness: Harness) -> None:
     async with harness.env(probe_task()) as env:
         with pytest.raises(ActionError, match="unknown tool 'rm_rf'"):
-            await env.step("rm_rf", {"command": "x"})
+            await env.step(Action("rm_rf", {"command": "x"}))
         for arguments in (
             {},
             {"command": 3},
@@ -348,49 +349,49 @@ async def test_bad_actions_raise_and_the_session_goes_on(harness: Harness) -> No
             {"command": "ls", "cwd": "/"},
         ):
             with pytest.raises(ActionError):
-                await env.step("bash", arguments)
+                await env.step(Action("bash", arguments))
         with pytest.raises(ActionError):
-            await env.step("submit", {"answer": 42})
+            await env.step(Action("submit", {"answer": 42}))
         with pytest.raises(ActionError):
-            await env.step("bash", ["ls"])  # type: ignore[arg-type]
-        step = await env.step("bash", {"command": "echo still here"})
+            await env.step(Action("bash", ["ls"]))  # type: ignore[arg-type]
+        step = await env.step(Action("bash", {"command": "echo still here"}))
         assert step.observation == "still here\n[exit code: 0]"
         assert env.steps == 1
 
 
 async def test_command_timeout_keeps_the_episode_going(harness: Harness) -> None:
     async with harness.env(probe_task()) as env:
-        step = await env.step("bash", {"command": "echo started; sleep 30", "timeout": 1})
+        step = await env.step(Action("bash", {"command": "echo started; sleep 30", "timeout": 1}))
         assert step.info["timed_out"] is True
         assert step.observation.startswith("started\n")
         assert "[timed out after 1s]" in step.observation
         assert not step.terminated and not step.truncated
-        step = await env.step("bash", {"command": "echo after"})
+        step = await env.step(Action("bash", {"command": "echo after"}))
         assert step.observation == "after\n[exit code: 0]"
-        step = await env.step("bash", {"command": "exit 7"})
+        step = await env.step(Action("bash", {"command": "exit 7"}))
         assert step.info["exit_code"] == 7 and not step.terminated
-        step = await env.step("bash", {"command": "touch /app/done && echo back"})
+        step = await env.step(Action("bash", {"command": "touch /app/done && echo back"}))
         assert step.observation.startswith("back\n")
-        result = await env.step("submit", {})
+        result = await env.step(Action("submit", {}))
         assert result.reward == 1.0, result.info
 
 
 async def test_running_out_of_agent_time_runs_the_verifier(harness: Harness) -> None:
     async with harness.env(probe_task(agent_timeout=3)) as env:
-        await env.step("bash", {"command": "touch /app/done"})
-        step = await env.step("bash", {"command": "echo waiting; sleep 60"})
+        await env.step(Action("bash", {"command": "touch /app/done"}))
+        step = await env.step(Action("bash", {"command": "echo waiting; sleep 60"}))
         assert step.truncated and not step.terminated
         assert step.reward == 1.0, step.info
         assert "agent time limit of 3s reached" in step.observation
         assert step.observation.startswith("waiting\n")
         with pytest.raises(SessionClosedError):
-            await env.step("bash", {"command": "true"})
+            await env.step(Action("bash", {"command": "true"}))
 
 
 async def test_a_step_after_the_time_is_up_ends_the_episode_without_running(harness: Harness) -> None:
     async with harness.env(probe_task(agent_timeout=1)) as env:
         await asyncio.sleep(1.2)
-        step = await env.step("bash", {"command": "touch /app/done"})
+        step = await env.step(Action("bash", {"command": "touch /app/done"}))
         assert step.truncated
         assert step.reward == 0.0, "the late command must not have run"
 
@@ -412,7 +413,7 @@ async def test_close_destroys_the_sandbox_and_ends_the_session(harness: Harness)
     with pytest.raises(SandboxNotFoundError):
         await harness.backend.status(sandbox_id)
     with pytest.raises(SessionClosedError):
-        await env.step("bash", {"command": "true"})
+        await env.step(Action("bash", {"command": "true"}))
     with pytest.raises(SessionClosedError):
         await env.reset()
 
@@ -421,12 +422,12 @@ async def test_reset_again_starts_a_fresh_sandbox(harness: Harness) -> None:
     async with harness.env(probe_task()) as env:
         assert env.sandbox is not None
         first = env.sandbox.id
-        await env.step("bash", {"command": "touch /app/done"})
-        await env.step("submit", {})
+        await env.step(Action("bash", {"command": "touch /app/done"}))
+        await env.step(Action("submit", {}))
         assert await env.reset() == probe_task().instruction
         assert env.sandbox is not None and env.sandbox.id != first
         assert first not in {s.id for s in await harness.backend.list()}
-        step = await env.step("bash", {"command": "ls /app"})
+        step = await env.step(Action("bash", {"command": "ls /app"}))
         assert step.observation == "seed.txt\n[exit code: 0]"
 
 
@@ -436,8 +437,8 @@ async def test_oracle_needs_a_solution(harness: Harness) -> None:
     task = load_task_files("probe", files)
     async with harness.env(task) as env:
         with pytest.raises(TaskFormatError, match="solve.sh"):
-            await env.run_oracle()
-        step = await env.step("bash", {"command": "echo usable"})
+            FAMILY.oracle(task)
+        step = await env.step(Action("bash", {"command": "echo usable"}))
         assert step.observation.startswith("usable")
 
 
@@ -469,9 +470,9 @@ async def test_scripted_oracle_runs_solve_sh_from_solution_with_no_stdin(harness
     })
     bash_call, submit = oracle_actions(task)
     async with harness.env(task) as env:
-        ran = await env.step(bash_call["tool"], bash_call["arguments"])
+        ran = await env.step(Action(bash_call["tool"], bash_call["arguments"]))
         assert ran.info["exit_code"] == 0, ran.observation
-        result = await env.step(submit["tool"], submit["arguments"])
+        result = await env.step(Action(submit["tool"], submit["arguments"]))
         assert result.reward == 1.0, result.info
 
 
@@ -488,20 +489,20 @@ def env_tables_task() -> TerminalTask:
     })
 
 
-@pytest.mark.parametrize("oracle", ["scripted", "run_oracle"])
+@pytest.mark.parametrize("oracle", ["scripted", "family"])
 async def test_env_tables_reach_the_sandbox_the_oracle_and_the_verifier(harness: Harness, oracle: str) -> None:
     """Harbor's [environment] env, [solution] env and [verifier] env, each where Harbor sets it."""
     from workers.policy.scripted import oracle_actions
 
     task = env_tables_task()
     async with harness.env(task) as env:
-        assert (await env.step("bash", {"command": 'echo "$STAGE"'})).observation.startswith("sandbox\n")
-        if oracle == "run_oracle":
-            result = await env.run_oracle()
+        assert (await env.step(Action("bash", {"command": 'echo "$STAGE"'}))).observation.startswith("sandbox\n")
+        if oracle == "family":
+            result = await run_actions(env, FAMILY.oracle(task))
         else:
             bash_call, submit = oracle_actions(task)
-            assert (await env.step(bash_call["tool"], bash_call["arguments"])).info["exit_code"] == 0
-            result = await env.step(submit["tool"], submit["arguments"])
+            assert (await env.step(Action(bash_call["tool"], bash_call["arguments"]))).info["exit_code"] == 0
+            result = await env.step(Action(submit["tool"], submit["arguments"]))
         assert result.reward == 1.0, result.info
 
 
@@ -510,7 +511,7 @@ async def test_runs_get_harbors_internet_default_unless_the_task_says_otherwise(
     harness: Harness, environment: str, networked: bool
 ) -> None:
     async with harness.env(probe_task(environment=environment)) as env:
-        counted = await env.step("bash", {"command": "ls /sys/class/net | grep -cvx lo"})
+        counted = await env.step(Action("bash", {"command": "ls /sys/class/net | grep -cvx lo"}))
         assert (int(counted.observation.split()[0]) > 0) == networked, counted.observation  # a link beside lo
 
 
@@ -525,7 +526,7 @@ async def test_environment_setup_sh_is_only_the_dockerfiles_and_never_runs_at_re
     })
     assert task.setup_script is None
     async with harness.env(task) as env:
-        assert (await env.step("bash", {"command": "cat /app/runs.txt"})).observation.startswith("ran\n[exit")
+        assert (await env.step(Action("bash", {"command": "cat /app/runs.txt"}))).observation.startswith("ran\n[exit")
 
 
 async def test_tests_dir_is_writable_by_the_verifier_under_the_images_user(harness: Harness) -> None:
@@ -540,5 +541,5 @@ async def test_tests_dir_is_writable_by_the_verifier_under_the_images_user(harne
         "tests/test.sh": test_sh,
     })
     async with harness.env(task) as env:
-        result = await env.step("submit", {})
+        result = await env.step(Action("submit", {}))
         assert result.reward == 1.0, result.info

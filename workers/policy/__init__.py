@@ -21,8 +21,8 @@ from workers.policy.base import (
 )
 
 if TYPE_CHECKING:
+    from workers.envs.base import EnvTask
     from workers.policy.chat_template import ChatTokenizer
-    from workers.tasks import TerminalTask
 
 POLICY_APIS = ("tokens", "chat", "scripted")
 
@@ -30,7 +30,7 @@ POLICY_APIS = ("tokens", "chat", "scripted")
 def create_policy_client(
     spec: dict[str, Any],
     *,
-    task: TerminalTask | None = None,
+    task: EnvTask | None = None,
     tokenizer: ChatTokenizer | None = None,
     tool_call_format: str = "hermes",
     timeout_s: float | None = None,

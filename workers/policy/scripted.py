@@ -1,8 +1,9 @@
 """A policy with no model: replay a fixed list of tool calls (tests, demos, SFT data).
 
 The actions come from a rollout's ``policy.actions`` (``[{"tool": ..., "arguments":
-{...}}, ...]``) or from a task's oracle: one ``bash`` call putting the task's
-``solution/`` at ``/solution`` and running ``/solution/solve.sh``, then ``submit``. Each action is
+{...}}, ...]``) or from a task's oracle (its family's :meth:`~workers.envs.base.EnvFamily.oracle`;
+for a terminal task, one ``bash`` call putting ``solution/`` at ``/solution`` and running
+``/solution/solve.sh``, then ``submit``). Each action is
 emitted as assistant text in the agent's tool-call format, so the runner parses it
 with the same parser it uses for a model.
 
@@ -15,12 +16,7 @@ samples of one group diverge the way sampled policies do while staying reproduci
 
 from __future__ import annotations
 
-import base64
-import gzip
-import io
 import random
-import shlex
-import tarfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,51 +25,26 @@ from workers.policy.base import Generation, PolicyError, Sampling
 from workers.policy.toolcalls import TOOL_CALL_FORMATS, format_tool_call
 
 if TYPE_CHECKING:
+    from workers.envs.base import EnvTask
     from workers.policy.chat_template import ChatTokenizer
-    from workers.tasks import TerminalTask
 
 SCRIPTED_SERVER = "scripted"
-#: Where the oracle finds the task's ``solution/`` (Harbor's path).
-ORACLE_DIR = "/solution"
 
 
-def oracle_actions(task: TerminalTask) -> list[dict[str, Any]]:
-    """Return the oracle's actions for ``task``, as Harbor runs it: ``solution/`` at /solution, then submit.
-
-    One ``bash`` call unpacks the task's ``solution/`` into ``/solution`` (a gzipped tar
-    inlined as base64: it goes through the agent's own tool, nothing else) and runs
-    ``bash /solution/solve.sh`` from the shell's directory with stdin from /dev/null, so
-    a command in the script that reads stdin gets end-of-file, not the rest of the script.
+def oracle_actions(task: EnvTask) -> list[dict[str, Any]]:
+    """Return the actions of ``task``'s oracle, as its family gives them.
 
     Raises:
-        PolicyError: the task ships no ``solution/solve.sh``.
+        PolicyError: the task has no reference solution.
     """
-    files = task.solution_files
-    if "solve.sh" not in files:
-        raise PolicyError(f"task {task.name!r} has no oracle (solution/solve.sh) for the scripted policy to replay")
-    buffer = io.BytesIO()
-    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
-        for rel, data in sorted(files.items()):
-            info = tarfile.TarInfo(rel)
-            info.size, info.mode = len(data), 0o755 if rel.endswith(".sh") else 0o644
-            tar.addfile(info, io.BytesIO(data))
-    packed = base64.b64encode(buffer.getvalue()).decode("ascii")
-    command = (
-        f"rm -rf {ORACLE_DIR} && mkdir -p {ORACLE_DIR} && "
-        f"printf %s '{packed}' | base64 -d | tar -xzf - -C {ORACLE_DIR} --no-same-owner && "
-        f"{_env_prefix(task.solution_env)}bash {ORACLE_DIR}/solve.sh < /dev/null"
-    )
-    return [
-        {"tool": "bash", "arguments": {"command": command, "timeout": task.agent_timeout_s}},
-        {"tool": "submit", "arguments": {}},
-    ]
+    from workers.envs.registry import family_of
+    from workers.errors import TaskFormatError
 
-
-def _env_prefix(env: Mapping[str, str]) -> str:
-    """Return ``env K=V ... `` for a command run with ``env`` added ("" for none)."""
-    if not env:
-        return ""
-    return "env " + " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items())) + " "
+    try:
+        actions = family_of(task).oracle(task)
+    except TaskFormatError as exc:
+        raise PolicyError(f"no oracle for the scripted policy to replay: {exc}") from exc
+    return [action.to_json() for action in actions]
 
 
 def _check_action(action: Any, where: str) -> dict[str, Any]:
@@ -126,7 +97,7 @@ class ScriptedPolicy:
 
     @classmethod
     def from_task(
-        cls, task: TerminalTask, *, tool_call_format: str = "hermes", tokenizer: ChatTokenizer | None = None
+        cls, task: EnvTask, *, tool_call_format: str = "hermes", tokenizer: ChatTokenizer | None = None
     ) -> ScriptedPolicy:
         """Replay ``task``'s oracle."""
         return cls(oracle_actions(task), tool_call_format=tool_call_format, tokenizer=tokenizer)
@@ -180,4 +151,4 @@ class ScriptedPolicy:
         """Nothing to close."""
 
 
-__all__ = ["ORACLE_DIR", "ScriptedPolicy", "oracle_actions"]
+__all__ = ["ScriptedPolicy", "oracle_actions"]

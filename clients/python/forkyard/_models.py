@@ -74,6 +74,8 @@ class Environment(ForkyardModel):
     version: str
     description: str | None = None
     created_at: datetime | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    """The tools the family gives an agent, as OpenAI function definitions."""
 
 
 class Task(ForkyardModel):
@@ -82,6 +84,7 @@ class Task(ForkyardModel):
     id: str
     name: str
     environment: str
+    family: str = "terminal"
     content_hash: str
     instruction: str = ""
     metadata: dict[str, Any] = Field(default_factory=dict)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import json
 import logging
 import math
 import shlex
@@ -42,7 +41,13 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from sandboxes.base import ExecResult, Resources, SandboxBackend, SandboxInfo, SandboxSpec
+from sandboxes.base import (
+    ExecResult,
+    Resources,
+    SandboxBackend,
+    SandboxInfo,
+    SandboxSpec,
+)
 from sandboxes.errors import (
     BackendUnavailableError,
     FileTooLargeError,
@@ -50,10 +55,20 @@ from sandboxes.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
-from workers.errors import ActionError, SessionClosedError, TaskFormatError, TaskSetupError
-from workers.runtime import StepResult
+from workers.envs.base import Action, EnvSnapshot, StepResult, ToolSpec
+from workers.envs.terminal.task import SETUP_SCRIPT, TerminalTask
+from workers.envs.terminal.verifier import (
+    REWARD_JSON,
+    REWARD_MAX_BYTES,
+    REWARD_TXT,
+    VERIFIER_LOG_DIR,
+    RewardError,
+    finite_number,
+    parse_reward_json,
+    parse_reward_txt,
+)
+from workers.errors import ActionError, SessionClosedError, TaskSetupError
 from workers.setup_cache import SetupCacheKey
-from workers.tasks import SETUP_SCRIPT, SOLUTION_SCRIPT, TerminalTask
 from workers.trust import CA_BUNDLE_PATH, ca_env
 
 if TYPE_CHECKING:
@@ -69,21 +84,15 @@ TERMINAL_ENV_VERSION = "4"
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 #: Bytes of stdout (and, separately, stderr) an observation keeps per command.
 DEFAULT_MAX_OUTPUT_BYTES = 32 * 1024
-#: Where the verifier writes its reward, and where tests and the oracle are copied.
-VERIFIER_LOG_DIR = "/logs/verifier"
+#: Where the agent's logs go, and where the verifier finds the tests.
 AGENT_LOG_DIR = "/logs/agent"
 TESTS_DIR = "/tests"
-SOLUTION_DIR = "/solution"
 #: Where reset.sh is copied to run; removed afterwards.
 SETUP_DIR = "/forkyard-reset"
-#: The most a reward file may hold; the host never reads more of it.
-REWARD_MAX_BYTES = 64 * 1024
 #: Metadata key of the snapshot a verifier's fork is restored from (deleted right after).
 VERIFIER_SNAPSHOT_KEY = "forkyard.verifier"
 #: Label naming what a sandbox is for (``verifier`` on a verifier's fork).
 LABEL_ROLE = "forkyard.role"
-REWARD_TXT = f"{VERIFIER_LOG_DIR}/reward.txt"
-REWARD_JSON = f"{VERIFIER_LOG_DIR}/reward.json"
 # Bounds the housekeeping commands the env itself runs (mkdir, rm, probes).
 _HOUSEKEEPING_TIMEOUT_S = 30.0
 _STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -112,40 +121,35 @@ done
 unset __fy_d __fy_p __fy_s __fy_c
 """
 
-BASH_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "bash",
-        "description": (
-            "Run a bash command in the task's terminal and return its stdout, stderr and exit code. "
-            "The shell persists between calls (cd and export carry over). Commands get no stdin; "
-            "do not start interactive programs."
-        ),
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "command": {"type": "string", "description": "The bash command to run."},
-                "timeout": {
-                    "type": "number",
-                    "description": f"Seconds before the command is killed (default {DEFAULT_COMMAND_TIMEOUT_S:g}).",
-                },
+BASH_TOOL = ToolSpec(
+    name="bash",
+    description=(
+        "Run a bash command in the task's terminal and return its stdout, stderr and exit code. "
+        "The shell persists between calls (cd and export carry over). Commands get no stdin; "
+        "do not start interactive programs."
+    ),
+    parameters={
+        "type": "object",
+        "properties": {
+            "command": {"type": "string", "description": "The bash command to run."},
+            "timeout": {
+                "type": "number",
+                "description": f"Seconds before the command is killed (default {DEFAULT_COMMAND_TIMEOUT_S:g}).",
             },
-            "required": ["command"],
-            "additionalProperties": False,
         },
+        "required": ["command"],
+        "additionalProperties": False,
     },
-}
+)
 
-SUBMIT_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "submit",
-        "description": "Finish the task: call this once the work is done; the result is then checked.",
-        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
-    },
-}
+SUBMIT_TOOL = ToolSpec(
+    name="submit",
+    description="Finish the task: call this once the work is done; the result is then checked.",
+    parameters={"type": "object", "properties": {}, "additionalProperties": False},
+    ends_episode=True,
+)
 
-TOOLS: list[dict[str, Any]] = [BASH_TOOL, SUBMIT_TOOL]
+TOOLS: tuple[ToolSpec, ...] = (BASH_TOOL, SUBMIT_TOOL)
 
 
 def format_exec_result(result: ExecResult, *, timeout_s: float | None = None) -> str:
@@ -260,8 +264,17 @@ class TerminalEnv:
             image_digest=await self.backend.image_digest(self.image),
         )
 
-    async def step(self, tool: str, arguments: Mapping[str, Any] | None = None) -> StepResult:
+    @property
+    def tools(self) -> tuple[ToolSpec, ...]:
+        """The tools the agent sees: ``bash`` and ``submit``."""
+        return TOOLS
+
+    async def step(self, action: Action, *, budget_s: float | None = None) -> StepResult:
         """Apply one tool call; ``submit`` (or running out of time) ends the episode.
+
+        With ``budget_s`` (the time the caller gives this step), a bash call's timeout is
+        capped to it in whole seconds, and a call that names none gets it: members of a
+        shared group, whose budgets differ by milliseconds, then issue the same call.
 
         Raises:
             ActionError: unknown tool or invalid arguments (the episode goes on).
@@ -269,21 +282,25 @@ class TerminalEnv:
         """
         async with self._lock:
             self._check_open()
+            tool, arguments = action.tool, action.arguments
             if arguments is None:
                 arguments = {}
             if not isinstance(arguments, Mapping):
                 raise ActionError(f"the arguments of {tool!r} must be an object, got {type(arguments).__name__}")
-            if tool == "bash":
-                command, requested = _bash_arguments(arguments)
+            if tool == BASH_TOOL.name:
+                command, requested = bash_arguments(arguments)
+                if budget_s is not None:
+                    cap = max(1.0, float(math.floor(budget_s)))
+                    requested = min(requested, cap) if requested is not None else cap
                 self.steps += 1
                 self._count("env_steps")
                 return await self._bash(command, requested)
-            if tool == "submit":
-                _check_no_arguments("submit", arguments)
+            if tool == SUBMIT_TOOL.name:
+                _check_no_arguments(tool, arguments)
                 self.steps += 1
                 self._count("env_steps")
                 return await self._finish("[episode ended: submitted]\n", truncated=False)
-            names = ", ".join(t["function"]["name"] for t in TOOLS)
+            names = ", ".join(t.name for t in TOOLS)
             raise ActionError(f"unknown tool {tool!r}; the tools are: {names}")
 
     async def truncate(self, reason: str) -> StepResult:
@@ -297,52 +314,6 @@ class TerminalEnv:
             self._count("env_steps")
             return await self._finish(f"[episode ended: {reason}]\n", truncated=True)
 
-    async def run_oracle(self) -> StepResult:
-        """Copy ``solution/`` to /solution, run ``solve.sh`` from the workdir, then submit.
-
-        Raises:
-            TaskFormatError: the task has no ``solution/solve.sh``.
-            SessionClosedError: the episode has ended or the env is closed.
-        """
-        async with self._lock:
-            self._check_open()
-            if not self.task.has_solution:
-                raise TaskFormatError(
-                    f"task {self.task.name!r} has no oracle: {SOLUTION_SCRIPT} is missing", file=SOLUTION_SCRIPT
-                )
-            sandbox_id = self._sandbox_id()
-            await self._housekeeping(f"rm -rf {SOLUTION_DIR}", what="clear /solution")
-            for rel, data in sorted(self.task.solution_files.items()):
-                mode = 0o755 if rel.endswith(".sh") else 0o644
-                await self.backend.write_file(sandbox_id, f"{SOLUTION_DIR}/{rel}", data, mode=mode)
-            timeout = max(self.time_left(), 1.0)
-            result = await self.backend.exec(
-                sandbox_id,
-                self._clean_command(f"{SOLUTION_DIR}/solve.sh", self.task.solution_env),
-                timeout_s=timeout,
-                max_output_bytes=self.max_output_bytes,
-            )
-            observation = format_exec_result(result, timeout_s=timeout)
-            oracle = {
-                "exit_code": result.exit_code,
-                "stdout": result.stdout,
-                "stderr": result.stderr,
-                "timed_out": result.timed_out,
-            }
-            if result.exit_code != 0:
-                logger.warning(
-                    "terminal task %s: oracle exited %s in sandbox %s", self.task.name, result.exit_code, sandbox_id
-                )
-            out_of_time = self.time_left() <= 0
-            ending = (
-                f"[episode ended: agent time limit of {self.task.agent_timeout_s:g}s reached]\n"
-                if out_of_time
-                else "[episode ended: submitted]\n"
-            )
-            step = await self._finish(observation + "\n" + ending, truncated=out_of_time)
-            step.info["oracle"] = oracle
-            return step
-
     def export_state(self) -> dict[str, Any]:
         """Return the logical state a fork needs to continue this episode (not the sandbox)."""
         return {
@@ -353,8 +324,8 @@ class TerminalEnv:
             "initial_env": dict(self._initial_env) if self._initial_env is not None else None,
         }
 
-    async def snapshot(self, *, metadata: Mapping[str, str] | None = None) -> tuple[Snapshot, dict[str, Any]]:
-        """Snapshot the sandbox between steps; return (the backend snapshot, :meth:`export_state`).
+    async def snapshot(self, *, metadata: Mapping[str, str] | None = None) -> EnvSnapshot:
+        """Snapshot the sandbox between steps, with :meth:`export_state`.
 
         Raises:
             SessionClosedError: the episode has ended or the env is closed.
@@ -362,7 +333,7 @@ class TerminalEnv:
         async with self._lock:
             self._check_open()
             snap = await self.backend.snapshot(self._sandbox_id(), metadata=metadata)
-            return snap, self.export_state()
+            return EnvSnapshot(snap, self.export_state())
 
     @classmethod
     def from_snapshot(
@@ -739,62 +710,22 @@ class TerminalEnv:
                 try:
                     raw = await self.backend.read_file(sandbox_id, path, max_bytes=REWARD_MAX_BYTES)
                 except FileTooLargeError:
-                    raise _RewardError(
+                    raise RewardError(
                         f"the verifier's {path} is larger than {REWARD_MAX_BYTES // 1024} KiB; a reward file holds "
                         "one number or one small JSON object"
                     ) from None
                 reward, details = parse_reward_txt(raw) if kind == "txt" else parse_reward_json(raw)
             else:
-                raise _RewardError(
+                raise RewardError(
                     f"the verifier wrote neither {REWARD_TXT} nor {REWARD_JSON} (exit code {result.exit_code})"
                 )
-        except _RewardError as exc:
+        except RewardError as exc:
             return 0.0, {}, verifier, str(exc)
         return reward, details, verifier, None
 
 
-class _RewardError(Exception):
-    """The verifier's reward file is missing or malformed."""
-
-
-def _finite_number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else None
-
-
-def parse_reward_txt(raw: bytes) -> tuple[float, dict[str, float]]:
-    """Parse ``reward.txt`` (one finite number); raise _RewardError otherwise."""
-    text = raw.decode("utf-8", errors="replace").strip()
-    try:
-        number = float(text)
-    except ValueError:
-        raise _RewardError(f"{REWARD_TXT} must hold one number, got {text[:100]!r}") from None
-    if not math.isfinite(number):
-        raise _RewardError(f"{REWARD_TXT} must hold a finite number, got {text[:100]!r}")
-    return number, {"reward": number}
-
-
-def parse_reward_json(raw: bytes) -> tuple[float, dict[str, float]]:
-    """Parse ``reward.json`` (an object of finite numbers); the reward is its "reward" key, else the mean."""
-    try:
-        data = json.loads(raw.decode("utf-8", errors="replace"))
-    except ValueError as exc:
-        raise _RewardError(f"{REWARD_JSON} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict) or not data:
-        raise _RewardError(f"{REWARD_JSON} must hold a non-empty object of numbers")
-    details: dict[str, float] = {}
-    for key, value in data.items():
-        number = _finite_number(value)
-        if number is None:
-            raise _RewardError(f"{REWARD_JSON}: {key!r} must be a finite number, got {value!r}")
-        details[str(key)] = number
-    reward = details["reward"] if "reward" in details else sum(details.values()) / len(details)
-    return reward, details
-
-
-def _bash_arguments(arguments: Mapping[str, Any]) -> tuple[str, float | None]:
+def bash_arguments(arguments: Mapping[str, Any]) -> tuple[str, float | None]:
+    """Return (command, timeout or None) of a bash call's arguments; raise ActionError if they are invalid."""
     unknown = sorted(set(arguments) - {"command", "timeout"})
     if unknown:
         raise ActionError(f"bash takes 'command' and optional 'timeout', not {', '.join(map(repr, unknown))}")
@@ -808,7 +739,7 @@ def _bash_arguments(arguments: Mapping[str, Any]) -> tuple[str, float | None]:
     timeout = arguments.get("timeout")
     if timeout is None:
         return command, None
-    number = _finite_number(timeout)
+    number = finite_number(timeout)
     if number is None or number <= 0:
         raise ActionError(f"bash 'timeout' must be a positive number of seconds, got {timeout!r}")
     return command, number
@@ -819,4 +750,4 @@ def _check_no_arguments(tool: str, arguments: Mapping[str, Any]) -> None:
         raise ActionError(f"{tool} takes no arguments, got {', '.join(map(repr, sorted(arguments)))}")
 
 
-__all__ = ["BASH_TOOL", "SUBMIT_TOOL", "TOOLS", "TerminalEnv", "format_exec_result"]
+__all__ = ["BASH_TOOL", "SUBMIT_TOOL", "TOOLS", "TerminalEnv", "bash_arguments", "format_exec_result"]

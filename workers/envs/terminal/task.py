@@ -37,16 +37,15 @@ import logging
 import math
 import os
 import re
-import stat
 import tarfile
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
-from workers.archives import ArchiveLimits, iter_members
+from workers.archives import ArchiveLimits, iter_members, read_dir
 from workers.errors import TaskFormatError
 
 logger = logging.getLogger(__name__)
@@ -107,6 +106,7 @@ _TAR_MTIME = 0
 class TerminalTask:
     """One validated Harbor-style terminal task, held in memory."""
 
+    family: ClassVar[str] = "terminal"
     name: str
     instruction: str
     metadata: dict[str, Any]
@@ -198,27 +198,8 @@ def load_task_dir(path: str | os.PathLike[str]) -> TerminalTask:
             special file, or its contents are malformed.
     """
     root = Path(path)
-    if not root.is_dir():
-        raise TaskFormatError(f"task directory {str(root)!r} does not exist or is not a directory", file=str(root))
+    files = read_dir(root, max_bytes=MAX_TASK_BYTES, max_files=MAX_TASK_FILES)
     name = root.resolve().name
-    files: dict[str, bytes] = {}
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames.sort()
-        base = Path(dirpath)
-        for entry in sorted(dirnames + filenames):
-            full = base / entry
-            rel = full.relative_to(root).as_posix()
-            st = full.lstat()
-            if stat.S_ISDIR(st.st_mode):
-                continue
-            if stat.S_ISLNK(st.st_mode):
-                raise TaskFormatError(f"{rel}: symbolic links are not allowed in a task directory", file=rel)
-            if not stat.S_ISREG(st.st_mode):
-                raise TaskFormatError(f"{rel}: only regular files are allowed in a task directory", file=rel)
-            total += st.st_size
-            _check_size(total, len(files) + 1, file=rel)
-            files[rel] = full.read_bytes()
     return load_task_files(name, files)
 
 
