@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: bring the gateway up (SQLite, in-process
 # worker, docker backend if an engine answers, else local), import the example
-# terminal tasks, solve each through the SDK with its oracle solution, print rewards.
+# terminal tasks and SWE instances, solve each through the SDK with its oracle
+# solution, print rewards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +28,14 @@ echo "gateway at $FORKYARD_URL"
 
 .venv/bin/forkyard tasks import examples/tasks/terminal
 .venv/bin/python examples/solve_terminal.py examples/tasks/terminal
+
+# SWE: the example repositories into the gateway's repository store, the instances in,
+# each solved by its gold patch in a rollout (and one left unsolved, which scores 0).
+for repo in calc textkit; do
+  .venv/bin/forkyard repos add "examples/swe/repos/$repo" --name "forkyard/$repo" --data-dir "$data_dir"
+done
+.venv/bin/forkyard tasks import examples/swe/instances.jsonl >/dev/null
+.venv/bin/python examples/solve_swe.py
 
 # Branching: one scripted rollout forked at turns 1 and 2, its trajectory trees printed
 # and the first one drawn.

@@ -84,6 +84,9 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from workers.envs.registry import configure_families
+
+        configure_families(settings.family_options())
         url = settings.database_url
         assert url is not None
         try:

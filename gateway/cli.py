@@ -301,8 +301,16 @@ def _describe_http_error(response: Any) -> str:
         return f"HTTP {response.status_code}: {response.text[:300]}"
 
 
+#: File suffixes `tasks import` reads as JSONL instances (the swe family's format).
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
 def cmd_tasks_import(args: argparse.Namespace) -> int:
-    """Validate task dirs locally, upload each as a tar.gz, print ``task_id  name`` per task."""
+    """Validate tasks locally, upload them, print ``task_id  name`` per task.
+
+    A directory holds terminal task dirs (each uploaded as a tar.gz); a ``.jsonl`` file
+    holds SWE instances (uploaded whole: the gateway imports all of them or none).
+    """
     import httpx
 
     from workers.archives import read_dir
@@ -318,28 +326,78 @@ def cmd_tasks_import(args: argparse.Namespace) -> int:
     if not key:
         raise CLIError("no API key: set FORKYARD_API_KEY or pass --api-key", exit_code=2)
     tasks = []
+    uploads: list[tuple[str, str, bytes]] = []  # (what, environment, JSONL body)
     for arg in args.dirs:
+        if Path(arg).is_file() and arg.endswith(JSONL_SUFFIXES):
+            data = Path(arg).read_bytes()
+            try:
+                count = len(_parse_jsonl(data))  # the schema here; repositories are the gateway's to check
+            except TaskFormatError as exc:
+                raise CLIError(f"{arg}: {exc}", exit_code=2) from exc
+            uploads.append((f"{arg} ({count} instances)", args.environment or "swe", data))
+            continue
         for task_dir in find_task_dirs(Path(arg)):
             try:
                 files = read_dir(task_dir, max_bytes=MAX_TASK_DIR_BYTES, max_files=MAX_TASK_DIR_FILES)
                 tasks.append(family.load_task(task_dir.resolve().name, files))
             except TaskFormatError as exc:
                 raise CLIError(f"{task_dir}: {exc}", exit_code=2) from exc
-    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/gzip"}
+    bodies = [(task.name, args.environment or "terminal", "application/gzip", family.encode_task(task))
+              for task in tasks]
+    bodies += [(what, environment, "application/x-ndjson", data) for what, environment, data in uploads]
+    headers = {"Authorization": f"Bearer {key}"}
     try:
         with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=args.timeout) as client:
-            for task in tasks:
-                response = client.post("/v1/tasks", params={"environment": args.environment},
-                                       content=family.encode_task(task))
+            for what, environment, content_type, body in bodies:
+                response = client.post("/v1/tasks", params={"environment": environment}, content=body,
+                                       headers={"Content-Type": content_type})
                 if response.status_code != 201:
                     code = 2 if 400 <= response.status_code < 500 and response.status_code not in (401, 429) else 1
-                    raise CLIError(f"importing {task.name} failed: {_describe_http_error(response)}", exit_code=code)
+                    raise CLIError(f"importing {what} failed: {_describe_http_error(response)}", exit_code=code)
                 for item in response.json()["items"]:
                     print(f"{item['id']}  {item['name']}", flush=True)
                     for warning in item.get("warnings") or ():
                         _stderr(f"forkyard: {item['name']}: {warning}")
     except httpx.HTTPError as exc:
         raise CLIError(f"cannot reach the gateway at {url}: {exc}") from exc
+    return 0
+
+
+def _parse_jsonl(data: bytes) -> list[Any]:
+    from workers.envs.swe.task import parse_jsonl
+
+    return parse_jsonl(data)
+
+
+def _repo_store(args: argparse.Namespace) -> Any:
+    from workers.envs.swe.repos import RepoStore
+
+    settings = _settings(data_dir=args.data_dir)
+    assert settings.swe.repo_store is not None
+    return RepoStore(settings.swe.repo_store)
+
+
+def cmd_repos_add(args: argparse.Namespace) -> int:
+    """Copy a repository into the SWE repository store; print its name, HEAD commit and place."""
+    from workers.envs.swe.repos import head_commit
+    from workers.errors import TaskFormatError
+
+    store = _repo_store(args)
+    try:
+        path = store.add(args.path, name=args.name)
+    except TaskFormatError as exc:
+        raise CLIError(str(exc), exit_code=2) from exc
+    print(f"{args.name}  {head_commit(path)}  {path}", flush=True)
+    return 0
+
+
+def cmd_repos_list(args: argparse.Namespace) -> int:
+    """List the repositories in the SWE repository store with their HEAD commit."""
+    from workers.envs.swe.repos import head_commit
+
+    store = _repo_store(args)
+    for name in store.repos():
+        print(f"{name}  {head_commit(store.root / name)}", flush=True)
     return 0
 
 
@@ -393,13 +451,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     tasks = sub.add_parser("tasks", help="manage tasks on a running gateway").add_subparsers(
         dest="tasks_command", required=True, metavar="COMMAND")
-    imp = tasks.add_parser("import", help="import task dirs (or dirs of task dirs) into the gateway at FORKYARD_URL")
-    imp.add_argument("dirs", nargs="+", metavar="DIR")
-    imp.add_argument("--environment", default="terminal", help="environment of the tasks (default terminal)")
+    imp = tasks.add_parser("import", help="import task dirs (or dirs of task dirs) or SWE instances (a .jsonl file) "
+                                          "into the gateway at FORKYARD_URL")
+    imp.add_argument("dirs", nargs="+", metavar="PATH")
+    imp.add_argument("--environment", help="environment of the tasks (default terminal, swe for .jsonl files)")
     imp.add_argument("--url", help="gateway URL (default $FORKYARD_URL)")
     imp.add_argument("--api-key", help="API key (default $FORKYARD_API_KEY)")
     imp.add_argument("--timeout", type=float, default=120.0, help="seconds per upload (default 120)")
     imp.set_defaults(func=cmd_tasks_import)
+
+    repos = sub.add_parser("repos", help="the SWE repository store (FORKYARD_SWE__REPO_STORE)").add_subparsers(
+        dest="repos_command", required=True, metavar="COMMAND")
+    add = repos.add_parser("add", help="copy a repository (checkout, bare repository, bundle or plain directory) "
+                                       "into the store")
+    add.add_argument("path", type=Path)
+    add.add_argument("--name", required=True, help="the name instances give as `repo` (owner/name)")
+    add.add_argument("--data-dir", type=Path, help="data dir of the gateway (the store defaults to data_dir/repos)")
+    add.set_defaults(func=cmd_repos_add)
+    repo_list = repos.add_parser("list", help="list the repositories in the store")
+    repo_list.add_argument("--data-dir", type=Path)
+    repo_list.set_defaults(func=cmd_repos_list)
     return parser
 
 

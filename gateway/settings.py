@@ -6,7 +6,7 @@ import os
 import secrets
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -42,6 +42,14 @@ class SetupCacheSettings(BaseModel):
     """Cap on the bytes the cached snapshots hold (``FORKYARD_SETUP_CACHE__MAX_BYTES``); 0 turns the cache off."""
     dir: Path | None = None
     """Where the cache keeps its index (``FORKYARD_SETUP_CACHE__DIR``); default: ``data_dir/setup-cache``."""
+
+
+class SWESettings(BaseModel):
+    """The ``swe`` environment family (:mod:`workers.envs.swe`)."""
+
+    repo_store: Path | None = None
+    """Directory of the repositories SWE instances name (``FORKYARD_SWE__REPO_STORE``); default ``data_dir/repos``.
+    ``forkyard repos add PATH --name owner/repo`` puts one there; nothing is fetched from a network."""
 
 
 class ImageSettings(BaseModel):
@@ -204,6 +212,9 @@ class Settings(BaseSettings):
     egress: EgressSettings = Field(default_factory=EgressSettings)
     """Outbound network of local sandboxes that ask for one (``FORKYARD_EGRESS__TCP_PORTS`` / ``__ALLOW_NETWORKS``)."""
 
+    swe: SWESettings = Field(default_factory=SWESettings)
+    """The SWE family's repository store (``FORKYARD_SWE__REPO_STORE``)."""
+
     @field_validator("ca_bundle", mode="before")
     @classmethod
     def _no_bundle(cls, value: object) -> object:
@@ -217,6 +228,7 @@ class Settings(BaseSettings):
         if self.setup_cache.dir is None:
             self.setup_cache.dir = self.data_dir / "setup-cache"
         self.setup_cache.dir = self.setup_cache.dir.expanduser().absolute()
+        self.swe.repo_store = (self.swe.repo_store or self.data_dir / "repos").expanduser().absolute()
         if not self.node:
             self.node = node_identity(self.data_dir)
         if self.database_url is None:
@@ -229,6 +241,10 @@ class Settings(BaseSettings):
                 raise ValueError("bootstrap_api_key is too short (under 32 characters); use `forkyard keys create` "
                                  "or set dev_mode for a throwaway key")
         return self
+
+    def family_options(self) -> dict[str, dict[str, Any]]:
+        """Return each environment family's options, by family name (what its ``configure`` takes)."""
+        return {"swe": {"repo_store": self.swe.repo_store}}
 
     @property
     def sandboxes_dir(self) -> Path:

@@ -209,6 +209,8 @@ class _Run:
         return {LABEL_OWNER: episode_id, "forkyard.task": self.task.name, **self.labels}
 
 
+#: Keys of a step's info that describe the step, not the episode's verdict.
+_STEP_ONLY_INFO = frozenset({"exit_code", "timed_out", "time_left_s", "oracle"})
 #: Characters of the verifier's stdout and stderr an episode keeps (the tail: where test runners summarize).
 VERIFIER_TAIL_CHARS = 2048
 
@@ -339,7 +341,9 @@ async def _drive(
         timings["verify_s"] = outcome.verify_s
         final = outcome.final
         status = "completed" if final.terminated else "truncated"
-        info = {k: v for k, v in final.info.items() if k in ("reward_details", "verifier_error")}
+        # What the family says of the verdict (terminal: reward_details, verifier_error; swe: grading),
+        # less the last step's own bookkeeping.
+        info = {k: v for k, v in final.info.items() if k not in _STEP_ONLY_INFO}
         if isinstance(final.info.get("verifier"), dict):  # why a reward is what it is, without a rerun
             info["verifier"] = verifier_summary(final.info["verifier"])
         return result(status, outcome.termination, reward=final.reward, info=info)

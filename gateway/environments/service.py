@@ -18,10 +18,16 @@ from workers.envs.registry import family_names, get_family
 
 logger = logging.getLogger(__name__)
 
-#: The environment every gateway has; terminal tasks land here unless told otherwise.
-DEFAULT_ENVIRONMENT = EnvironmentCreate(
-    name="terminal", family="terminal", version="1",
-    description="Terminal tasks (Harbor/Terminal-Bench style task directories) driven through bash and submit.",
+#: The environments every gateway has, one per built-in family; tasks land in ``terminal`` unless told otherwise.
+DEFAULT_ENVIRONMENTS = (
+    EnvironmentCreate(
+        name="terminal", family="terminal", version="1",
+        description="Terminal tasks (Harbor/Terminal-Bench style task directories) driven through bash and submit.",
+    ),
+    EnvironmentCreate(
+        name="swe", family="swe", version="1",
+        description="SWE-bench-style instances (JSONL) on repositories of the repository store, graded by their tests.",
+    ),
 )
 
 
@@ -46,12 +52,13 @@ async def create_environment(*, db_session: AsyncSession, spec: EnvironmentCreat
 
 
 async def ensure_default_environments(*, db_session: AsyncSession) -> None:
-    """Create the default ``terminal`` environment if it is missing."""
-    if await get_environment_by_name(db_session=db_session, name=DEFAULT_ENVIRONMENT.name) is None:
-        try:
-            await create_environment(db_session=db_session, spec=DEFAULT_ENVIRONMENT)
-        except ConflictError:
-            pass  # another gateway created it at the same time
+    """Create the default environments (``terminal``, ``swe``) that are missing."""
+    for spec in DEFAULT_ENVIRONMENTS:
+        if await get_environment_by_name(db_session=db_session, name=spec.name) is None:
+            try:
+                await create_environment(db_session=db_session, spec=spec)
+            except ConflictError:
+                pass  # another gateway created it at the same time
 
 
 async def get_environment(*, db_session: AsyncSession, environment_id: str) -> Environment:

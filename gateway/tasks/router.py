@@ -21,10 +21,12 @@ logger = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/tasks", tags=["tasks"])
 
-#: Content types read as a (possibly compressed) tar archive.
-TAR_TYPES = frozenset({
+#: Content types read in the environment family's import format: a (possibly compressed) tar
+#: of task directories for terminal, JSONL instances for swe.
+UPLOAD_TYPES = frozenset({
     "application/x-tar", "application/tar", "application/gzip", "application/x-gzip", "application/x-gtar",
     "application/x-compressed-tar", "application/octet-stream",
+    "application/x-ndjson", "application/jsonl", "application/json-lines", "application/x-jsonlines",
 })
 
 def _inline_schema(model: type) -> dict:
@@ -48,12 +50,13 @@ def _inline_schema(model: type) -> dict:
 _IMPORT_BODY = {
     "requestBody": {
         "required": True,
-        "description": "A tar(.gz) of one or more task dirs, a multipart upload of such archives, "
-                       "or a JSON list of specs.",
+        "description": "Tasks in their environment's format (terminal: a tar(.gz) of one or more task dirs; "
+                       "swe: JSONL instances), a multipart upload of such files, or a JSON list of specs.",
         "content": {
             "application/json": {"schema": _inline_schema(TaskImport)},
             "application/gzip": {"schema": {"type": "string", "format": "binary"}},
             "application/x-tar": {"schema": {"type": "string", "format": "binary"}},
+            "application/x-ndjson": {"schema": {"type": "string", "format": "binary"}},
             "multipart/form-data": {
                 "schema": {"type": "object", "properties": {"file": {"type": "string", "format": "binary"}}}
             },
@@ -84,7 +87,7 @@ async def _parse_import(request: Request, db_session: DbSession, environment: st
                 item.name, {path: text.encode() for path, text in item.files.items()}))
             for item in spec.tasks
         ]
-    if content_type in TAR_TYPES:
+    if content_type in UPLOAD_TYPES:
         body = await request.body()
         if not body:
             raise BadRequestError("The request body is empty; send the tasks in their environment's import format "
@@ -103,7 +106,7 @@ async def _parse_import(request: Request, db_session: DbSession, environment: st
         return found
     raise UnsupportedMediaTypeError(
         f"Content-Type {content_type or '(none)'!r} is not accepted; send application/json, "
-        "application/gzip, application/x-tar or multipart/form-data."
+        "application/gzip, application/x-tar, application/x-ndjson (JSONL) or multipart/form-data."
     )
 
 

@@ -200,3 +200,36 @@ def test_up_exits_1_with_a_clear_message_when_the_backend_is_unusable(tmp_path):
     assert reason.startswith("forkyard: error: the gateway did not start: ") and "docker" in reason.lower()
     key = (data_dir / "api_key").read_text().strip()
     assert key.startswith("fy_") and key not in out.stderr
+
+
+def test_repos_add_then_tasks_import_of_swe_instances(tmp_path, server_url, capsys, monkeypatch):
+    """The README's SWE path: `forkyard repos add` into the gateway's store, then `forkyard tasks import x.jsonl`."""
+    examples = Path(__file__).resolve().parents[2] / "examples" / "swe"
+    data_dir = tmp_path / "data"  # the server_url gateway's (make_settings), whose store is data_dir/repos
+    assert main(["repos", "add", str(examples / "repos" / "calc"), "--name", "forkyard/calc",
+                 "--data-dir", str(data_dir)]) == 0
+    name, commit, where = capsys.readouterr().out.split()
+    assert name == "forkyard/calc" and where == str(data_dir / "repos" / "forkyard__calc.git")
+    assert main(["repos", "list", "--data-dir", str(data_dir)]) == 0
+    assert capsys.readouterr().out.split() == ["forkyard__calc.git", commit]
+    assert main(["repos", "add", str(tmp_path / "nowhere"), "--name", "x/y", "--data-dir", str(data_dir)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+    monkeypatch.setenv("FORKYARD_URL", server_url)
+    monkeypatch.setenv("FORKYARD_API_KEY", API_KEY)
+    lines = [line for line in (examples / "instances.jsonl").read_text().splitlines() if commit in line]
+    instances = tmp_path / "calc.jsonl"
+    instances.write_text("\n".join(lines) + "\n")
+    assert main(["tasks", "import", str(instances)]) == 0
+    imported = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert len(imported) == len(lines) and all(n.startswith("forkyard__calc-") for _, n in imported)
+
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(lines[0] + "\n{\"instance_id\": 3}\n")
+    assert main(["tasks", "import", str(broken)]) == 2  # refused before anything is sent
+    assert "line 2" in capsys.readouterr().err
+    textkit = tmp_path / "textkit.jsonl"
+    textkit.write_text(next(line for line in (examples / "instances.jsonl").read_text().splitlines()
+                            if "forkyard/textkit" in line) + "\n")
+    assert main(["tasks", "import", str(textkit)]) == 2  # the gateway's store lacks the repository
+    assert "forkyard/textkit" in capsys.readouterr().err

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from sqlalchemy import select
 
@@ -121,7 +124,7 @@ async def test_list_tasks_pages_with_opaque_cursors(gateway):
 
 async def test_environments_default_create_conflict_list(gateway):
     page = (await gateway.client.get("/v1/environments")).json()
-    assert [e["name"] for e in page["items"]] == ["terminal"] and page["next"] is None
+    assert [e["name"] for e in page["items"]] == ["terminal", "swe"] and page["next"] is None
     assert page["items"][0]["family"] == "terminal"
     created = await gateway.client.post("/v1/environments", json={"name": "terminal-hard", "family": "terminal",
                                                                    "version": "2", "description": "harder"})
@@ -213,3 +216,55 @@ async def test_a_stored_task_is_decoded_once_per_process(gateway, monkeypatch):
 
 def _plain_tar(name: str) -> bytes:
     return tar_of({name: task_files(name)}, gz=False)
+
+
+# ------------------------------------------------------------------ SWE instances (JSONL)
+
+
+SWE_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "swe"
+
+
+async def test_swe_instances_import_as_jsonl_all_or_nothing(tmp_path):
+    from gateway.app import create_app
+    from tests.gateway.conftest import FakeRuntime, asgi_client, make_settings
+    from workers.envs.swe.repos import RepoStore
+
+    settings = make_settings(tmp_path)
+    store = RepoStore(settings.swe.repo_store)  # data_dir/repos, the default
+    store.add(SWE_EXAMPLES / "repos" / "calc", name="forkyard/calc")
+    app = create_app(settings, runtime=FakeRuntime())
+    lines = [line for line in (SWE_EXAMPLES / "instances.jsonl").read_text().splitlines() if "forkyard/calc" in line]
+    jsonl = {"Content-Type": "application/x-ndjson"}
+    async with app.router.lifespan_context(app), asgi_client(app) as client:
+        env = [e for e in (await client.get("/v1/environments")).json()["items"] if e["name"] == "swe"]
+        assert env and env[0]["family"] == "swe"
+        assert [t["function"]["name"] for t in env[0]["tools"]] == ["bash", "str_replace_editor", "submit"]
+
+        # A bad line, a repository the store lacks, a commit it lacks: each named, nothing imported.
+        bad = "\n".join([lines[0], '{"instance_id": "x"}', lines[1].replace("forkyard/calc", "forkyard/textkit"),
+                         lines[2].replace(json.loads(lines[2])["base_commit"], "abcdef0")])
+        error = assert_error(await client.post("/v1/tasks", params={"environment": "swe"}, content=bad.encode(),
+                                               headers=jsonl), 422, "task_format_error")
+        assert "line 2: repo: is required" in error["message"]
+        assert (await client.get("/v1/tasks", params={"environment": "swe"})).json()["items"] == []
+        bad = "\n".join([lines[0], lines[1].replace("forkyard/calc", "forkyard/textkit")])
+        error = assert_error(await client.post("/v1/tasks", params={"environment": "swe"}, content=bad.encode(),
+                                               headers=jsonl), 422, "task_format_error")
+        assert "'forkyard/textkit' is not in the repository store" in error["message"]
+        assert (await client.get("/v1/tasks", params={"environment": "swe"})).json()["items"] == []
+
+        created = await client.post("/v1/tasks", params={"environment": "swe"}, content="\n".join(lines).encode(),
+                                    headers=jsonl)
+        assert created.status_code == 201, created.text
+        items = created.json()["items"]
+        assert len(items) == len(lines) >= 8 and {i["family"] for i in items} == {"swe"}
+        assert items[0]["metadata"]["repo"] == "forkyard/calc" and items[0]["metadata"]["FAIL_TO_PASS"]
+        again = await client.post("/v1/tasks", params={"environment": "swe"}, content="\n".join(lines).encode(),
+                                  headers=jsonl)
+        assert [i["id"] for i in again.json()["items"]] == [i["id"] for i in items]  # identical: the same rows
+        # A terminal task cannot land in the swe environment, nor an instance in terminal.
+        assert_error(await client.post("/v1/tasks", json={"tasks": [{"name": "h", "environment": "swe",
+                                                                      "files": task_files("h")}]}),
+                     422, "task_format_error")
+        assert_error(await client.post("/v1/tasks", params={"environment": "terminal"},
+                                       content=lines[0].encode(), headers=jsonl), 422, "task_format_error")

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -68,12 +69,12 @@ class RecordingProxy:
 
 
 @pytest.fixture(scope="module")
-def stack(vllm_server, tmp_path_factory) -> Iterator[tuple[forkyard.Client, RecordingProxy]]:
+def stack(vllm_server, tmp_path_factory) -> Iterator[tuple[forkyard.Client, RecordingProxy, Path]]:
     data_dir = tmp_path_factory.mktemp("gw-vllm")
     with RecordingProxy(vllm_server.base_url) as proxy, \
             run_gateway("local", data_dir, node=f"vllm-{uuid.uuid4().hex[:6]}") as gw, \
             forkyard.Client(base_url=gw.url, api_key=gw.api_key, timeout=300) as client:
-        yield client, proxy
+        yield client, proxy, data_dir
 
 
 def policy_spec(proxy: RecordingProxy, vllm_server, tiny_models, name: str) -> dict:
@@ -93,7 +94,7 @@ def consume(client: forkyard.Client, rollout_id: str) -> list:
 
 
 def test_rollout_is_token_exact_against_vllm(stack, vllm_server, tiny_models):
-    client, proxy = stack
+    client, proxy, _ = stack
     tasks = client.tasks.import_dir(TASKS_DIR)
     rollout = client.rollouts.create(
         tasks={"ids": [t.id for t in tasks]}, group_size=4,
@@ -132,8 +133,37 @@ def test_rollout_is_token_exact_against_vllm(stack, vllm_server, tiny_models):
             assert step.observation in text
 
 
+def test_a_swe_rollout_is_token_exact_against_vllm(stack, vllm_server, tiny_models):
+    """The tiny model will not fix a bug (rewards 0), but every SWE episode completes token-exact, graded."""
+    from workers.envs.swe.repos import RepoStore
+
+    client, proxy, data_dir = stack
+    examples = ROOT / "examples" / "swe"
+    store = RepoStore(data_dir / "repos")  # the gateway's default store
+    for name in ("calc", "textkit"):
+        store.add(examples / "repos" / name, name=f"forkyard/{name}")
+    tasks = client.tasks.import_jsonl(examples / "instances.jsonl")
+    chosen = [tasks[0], tasks[-1]]
+    rollout = client.rollouts.create(
+        tasks={"ids": [t.id for t in chosen]}, group_size=2,
+        policy=policy_spec(proxy, vllm_server, tiny_models, "tiny-swe"),
+        agent={"max_turns": 2}, limits={"episode_timeout_s": 300, "step_timeout_s": 120}, concurrency=4,
+    )
+    episodes = consume(client, rollout.id)
+    assert len(episodes) == 4 and {e.reward for e in episodes} == {0.0}
+    sent = {req["request_id"].rsplit("-", 1)[0] for req, _ in proxy.calls}
+    for ep in episodes:
+        assert ep.episode_id in sent
+        assert sum(ep.loss_mask) == len(ep.logprobs) > 0 and len(ep.input_ids) == len(ep.loss_mask)
+        detail = client.episodes.get(ep.episode_id, tokens=True)
+        assert "str_replace_editor" in ChatTokenizer(tiny_models.primary).decode(ep.input_ids)  # the family's tools
+        assert detail.status in ("completed", "truncated") and detail.info["grading"]["FAIL_TO_PASS"]["failure"]
+        replies = [resp["choices"][0] for req, resp in proxy.calls if req["request_id"].startswith(ep.episode_id + "-")]
+        assert [s.completion_ids for s in detail.steps] == [r["token_ids"] for r in replies]
+
+
 def test_weight_reload_and_announce_stamp_later_turns(stack, vllm_server, tiny_models):
-    client, proxy = stack
+    client, proxy, _ = stack
     task = next(iter(client.tasks.list(name="edit-config")))
     http = httpx.Client(base_url=vllm_server.base_url, timeout=60)
     original = weight_version(http)
@@ -184,7 +214,7 @@ def check_leaf_is_token_exact(client: forkyard.Client, proxy: RecordingProxy, le
 
 
 def test_branching_tree_is_token_exact_and_runs_the_prefix_once(stack, vllm_server, tiny_models):
-    client, proxy = stack
+    client, proxy, _ = stack
     task = task_named(client, "word-frequency")
     calls_before = len(proxy.calls)
     rollout = client.rollouts.create(
@@ -215,7 +245,7 @@ def test_branching_tree_is_token_exact_and_runs_the_prefix_once(stack, vllm_serv
 
 
 def test_adaptive_branching_spends_its_budget_where_the_policy_is_uncertain(stack, vllm_server, tiny_models):
-    client, proxy = stack
+    client, proxy, _ = stack
     task = task_named(client, "word-frequency")
     spec = policy_spec(proxy, vllm_server, tiny_models, "tiny-adaptive")
     certain = client.rollouts.create(tasks=[task.id], group_size=1, policy=spec, agent={"max_turns": 2},

@@ -39,3 +39,34 @@ async def build_backend(request) -> AsyncIterator[BuildBackend]:
         finally:
             await backend.aclose()
             shutil.rmtree(root_dir, ignore_errors=True)
+
+
+#: The SWE example repositories and the instances written against them.
+SWE_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "swe"
+
+
+@pytest.fixture(scope="session")
+def swe_store_built(tmp_path_factory: pytest.TempPathFactory):
+    """Return a repository store of the example repositories and the shipped instances (built once)."""
+    from workers.envs.swe.repos import RepoStore
+    from workers.envs.swe.task import parse_jsonl
+
+    store = RepoStore(tmp_path_factory.mktemp("swe-store"))
+    for name in ("calc", "textkit"):
+        store.add(SWE_EXAMPLES / "repos" / name, name=f"forkyard/{name}")
+    return store, parse_jsonl((SWE_EXAMPLES / "instances.jsonl").read_bytes())
+
+
+@pytest.fixture
+def swe_store(swe_store_built):
+    """Yield (store, instances) with the SWE family configured to use that store (as a gateway's startup does)."""
+    from workers.envs.registry import get_family
+
+    family = get_family("swe")
+    store, tasks = swe_store_built
+    before = family.repos
+    family.configure(repo_store=store.root)
+    try:
+        yield store, tasks
+    finally:
+        family.repos = before

@@ -21,8 +21,8 @@ from tests.workers.conftest import BuildBackend
 from workers.envs.base import (
     Action,
     EnvFamily,
-    EnvSnapshot,
     Environment,
+    EnvSnapshot,
     EnvTask,
     Forkable,
     ToolSpec,
@@ -60,6 +60,15 @@ def _terminal_task() -> EnvTask:
     })
 
 
+def _swe_task() -> EnvTask:
+    from tests.workers.conftest import SWE_EXAMPLES
+
+    family = get_family("swe")
+    line = next(line for line in (SWE_EXAMPLES / "instances.jsonl").read_bytes().splitlines() if b"clamp-upper" in line)
+    (task,) = family.parse_tasks(line)
+    return task
+
+
 CASES: dict[str, ContractCase] = {
     "terminal": ContractCase(
         task=_terminal_task,
@@ -67,6 +76,13 @@ CASES: dict[str, ContractCase] = {
         observe=Action("bash", {"command": "cat /app/marker"}),
         marker="branch-point",
         invalid=Action("bash", {"command": ""}),
+    ),
+    "swe": ContractCase(
+        task=_swe_task,
+        change=Action("str_replace_editor", {"command": "create", "path": "/testbed/notes.txt", "file_text": "branch-point\n"}),
+        observe=Action("str_replace_editor", {"command": "view", "path": "/testbed/notes.txt"}),
+        marker="branch-point",
+        invalid=Action("str_replace_editor", {"command": "view"}),
     ),
 }
 
@@ -76,7 +92,7 @@ def test_every_registered_family_has_a_contract_case() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_family_object_fits_the_protocol(name: str) -> None:
+def test_family_object_fits_the_protocol(name: str, swe_store) -> None:
     family = get_family(name)
     assert isinstance(family, EnvFamily) and family.name == name and family.version
     tools = list(family.tools)
@@ -104,7 +120,7 @@ def test_unknown_family_is_a_task_error() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-async def test_reset_step_snapshot_restore_step_verify(build_backend: BuildBackend, name: str) -> None:
+async def test_reset_step_snapshot_restore_step_verify(build_backend: BuildBackend, name: str, swe_store) -> None:
     case = CASES[name]
     task = case.task()
     family = family_of(task)
@@ -174,7 +190,7 @@ def test_a_package_adds_a_family_through_its_entry_point(monkeypatch: pytest.Mon
               EntryPoint("terminal", "elsewhere:FAMILY", registry.ENTRY_POINT_GROUP)]
     monkeypatch.setattr(registry, "entry_points", lambda group: points if group == registry.ENTRY_POINT_GROUP else [])
     monkeypatch.setattr(registry, "_loaded", {})
-    assert registry.family_names() == ["plugin", "terminal"]
+    assert registry.family_names() == sorted(["plugin", *registry.BUILTIN])
     assert get_family("plugin") is PLUGIN_FAMILY
     assert get_family("terminal").name == "terminal"  # a built-in name is never taken over
 

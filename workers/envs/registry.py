@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Mapping
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from workers.errors import TaskFormatError
 
@@ -29,6 +30,7 @@ ENTRY_POINT_GROUP = "forkyard.env_families"
 #: The families shipped with Forkyard: name -> "module:attribute".
 BUILTIN: dict[str, str] = {
     "terminal": "workers.envs.terminal:FAMILY",
+    "swe": "workers.envs.swe:FAMILY",
 }
 
 _loaded: dict[str, EnvFamily] = {}
@@ -71,9 +73,22 @@ def get_family(name: str) -> EnvFamily:
     return family
 
 
+def configure_families(options: Mapping[str, Mapping[str, Any]]) -> None:
+    """Hand each family its options (``{"swe": {"repo_store": ...}}``) through its ``configure``, if it has one.
+
+    Options for a family that is not installed, or that takes none, are ignored.
+    """
+    for name, values in options.items():
+        if name not in _sources():
+            continue
+        configure = getattr(get_family(name), "configure", None)
+        if configure is not None:
+            configure(**values)
+
+
 def family_of(task: EnvTask) -> EnvFamily:
     """Return the family ``task`` belongs to."""
     return get_family(task.family)
 
 
-__all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "family_names", "family_of", "get_family"]
+__all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "configure_families", "family_names", "family_of", "get_family"]

@@ -19,6 +19,26 @@ if TYPE_CHECKING:
 __all__ = ["Tasks", "AsyncTasks"]
 
 DEFAULT_ENVIRONMENT = "terminal"
+SWE_ENVIRONMENT = "swe"
+JSONL_TYPE = "application/x-ndjson"
+
+
+def _import_jsonl_request(
+    source: str | os.PathLike[str] | bytes, environment: str
+) -> RequestOptions[list[Task]]:
+    data = bytes(source) if isinstance(source, (bytes, bytearray)) else open(source, "rb").read()  # noqa: SIM115
+    if not data.strip():
+        raise ValueError("import_jsonl needs at least one instance (one JSON object per line).")
+    return RequestOptions(
+        "POST",
+        "/v1/tasks",
+        params={"environment": environment},
+        content=data,
+        headers={"Content-Type": JSONL_TYPE},
+        cast_to=Page[Task],
+        transform=items_of,
+        idempotent=True,  # an identical re-import returns the stored tasks
+    )
 
 
 def _import_dir_request(path: str | os.PathLike[str], environment: str) -> RequestOptions[list[Task]]:
@@ -103,6 +123,17 @@ class Tasks(Resource):
         """Import tasks given in memory as {"name", "files": {path: text}, "environment"?} dicts."""
         return self._client._request(_import_specs_request(specs, environment))
 
+    def import_jsonl(
+        self, source: str | os.PathLike[str] | bytes, *, environment: str = SWE_ENVIRONMENT
+    ) -> list[Task]:
+        """Import SWE-bench-style instances from a JSONL file (or its bytes); all or nothing.
+
+        Raises:
+            UnprocessableEntityError: a bad line (the message names each by number and field),
+                or a repository or commit the gateway's repository store lacks.
+        """
+        return self._client._request(_import_jsonl_request(source, environment))
+
     def get(self, task_id: str) -> Task:
         """Fetch one task by id."""
         return self._client._request(_get_request(task_id))
@@ -141,6 +172,13 @@ class AsyncTasks(Resource):
     ) -> list[Task]:
         """Import tasks given in memory as {"name", "files": {path: text}, "environment"?} dicts."""
         return await self._client._request(_import_specs_request(specs, environment))
+
+    async def import_jsonl(
+        self, source: str | os.PathLike[str] | bytes, *, environment: str = SWE_ENVIRONMENT
+    ) -> list[Task]:
+        """Import SWE-bench-style instances from a JSONL file (or its bytes); all or nothing."""
+        request = await asyncio.to_thread(_import_jsonl_request, source, environment)
+        return await self._client._request(request)
 
     async def get(self, task_id: str) -> Task:
         """Fetch one task by id."""
