@@ -401,6 +401,63 @@ def cmd_repos_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_swe_synth(args: argparse.Namespace) -> int:
+    """Make SWE instances from a project by injecting bugs its tests catch; write them as JSONL."""
+    from gateway.logs import configure_logging
+
+    configure_logging("WARNING")
+    settings = _settings(data_dir=args.data_dir, backend=args.backend)
+    return asyncio.run(_swe_synth(settings, args))
+
+
+async def _swe_synth(settings: Settings, args: argparse.Namespace) -> int:
+    import json
+    import secrets
+
+    from workers.envs.swe.synth import fetch_sdist, synthesize, unpack_sdist
+    from workers.errors import TaskFormatError, WorkerError
+    from workers.runtime import WorkerRuntime
+    from workers.trust import read_ca_bundle
+
+    # A node of its own: a gateway on the same data dir never takes these sandboxes for orphans of its own.
+    settings = settings.model_copy(update={"node": f"{settings.node}-synth-{secrets.token_hex(3)}"})
+    backend = _cli_backend(settings, settings.backend)
+    runtime = WorkerRuntime(backend, image_cache_dir=settings.image_cache_dir, stand_ins=settings.images.stand_ins,
+                            ca_bundle=read_ca_bundle(settings.ca_bundle))
+    try:
+        await runtime.start(progress=lambda line: _stderr(f"forkyard: image: {line}"))
+        source = Path(args.source)
+        if source.is_dir():
+            from workers.archives import read_dir
+
+            files: dict[str, str | bytes] = dict(read_dir(source, max_bytes=MAX_TASK_DIR_BYTES,
+                                                          max_files=MAX_TASK_DIR_FILES))
+        elif "==" in args.source:
+            _stderr(f"forkyard: downloading the source distribution of {args.source} in a sandbox")
+            files = unpack_sdist(await fetch_sdist(runtime, args.source))
+        else:
+            raise CLIError(f"{args.source!r} is neither a directory nor NAME==VERSION", exit_code=2)
+        from workers.envs.registry import configure_families, get_family
+
+        configure_families(settings.family_options())
+        repos = get_family("swe").repos
+        assert repos is not None
+        tasks = await synthesize(
+            runtime, repos, files=files, name=args.name, install=tuple(args.install or ()) or (
+                "pip install --quiet pytest", "pip install --quiet --no-build-isolation -e ."),
+            test_cmd=args.test_cmd, max_instances=args.max_instances, max_candidates=args.max_candidates,
+            seed=args.seed, progress=lambda line: _stderr(f"forkyard: {line}"),
+        )
+    except (TaskFormatError, WorkerError) as exc:
+        raise CLIError(str(exc), exit_code=2) from exc
+    finally:
+        await runtime.aclose()
+    lines = [json.dumps(task.to_json(), sort_keys=True) for task in tasks]
+    Path(args.out).write_text("".join(line + "\n" for line in lines))
+    print(f"{len(tasks)} instance(s) of {args.name} written to {args.out}", flush=True)
+    return 0 if tasks else 1
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -471,6 +528,23 @@ def build_parser() -> argparse.ArgumentParser:
     repo_list = repos.add_parser("list", help="list the repositories in the store")
     repo_list.add_argument("--data-dir", type=Path)
     repo_list.set_defaults(func=cmd_repos_list)
+
+    swe = sub.add_parser("swe", help="SWE instances").add_subparsers(dest="swe_command", required=True,
+                                                                      metavar="COMMAND")
+    synth = swe.add_parser("synth", help="make SWE-smith-style instances of a project by injecting bugs its tests "
+                                         "catch (the project runs only in sandboxes)")
+    synth.add_argument("source", help="a project directory, or NAME==VERSION (its sdist, from the package registry)")
+    synth.add_argument("--name", required=True, help="the repository name the instances give (owner/name)")
+    synth.add_argument("--out", required=True, help="JSONL file to write the instances to")
+    synth.add_argument("--install", action="append", help="a command that installs the project and its test "
+                                                          "tools (repeatable; default pytest + pip install -e .)")
+    synth.add_argument("--test-cmd", default="pytest -rA -p no:cacheprovider", help="how the tests run")
+    synth.add_argument("--max-instances", type=int, default=20)
+    synth.add_argument("--max-candidates", type=int, default=120, help="bug candidates to try at most")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--data-dir", type=Path, help="data dir (its repos/ is the store the repository goes to)")
+    synth.add_argument("--backend", choices=["auto", "docker", "local"], help="sandbox backend (default auto)")
+    synth.set_defaults(func=cmd_swe_synth)
     return parser
 
 

@@ -21,7 +21,6 @@ import asyncio
 import base64
 import collections
 import logging
-import math
 import re
 import shlex
 import time
@@ -37,6 +36,12 @@ from sandboxes.errors import (
     SandboxNotFoundError,
 )
 from workers.envs.base import Action, EnvSnapshot, StepResult, ToolSpec
+from workers.envs.sandboxed import (
+    BASH_TOOL,
+    SUBMIT_TOOL,
+    SandboxedEnv,
+    check_no_arguments,
+)
 from workers.envs.swe.editor import EDITOR_TOOL, Editor
 from workers.envs.swe.grading import (
     END_MARKER,
@@ -47,12 +52,6 @@ from workers.envs.swe.grading import (
 )
 from workers.envs.swe.repos import RepoStore
 from workers.envs.swe.task import SWETask
-from workers.envs.terminal.env import (
-    BASH_TOOL,
-    SUBMIT_TOOL,
-    bash_arguments,
-    format_exec_result,
-)
 from workers.errors import ActionError, SessionClosedError, TaskSetupError
 from workers.setup_cache import SetupCacheKey
 
@@ -64,8 +63,6 @@ logger = logging.getLogger(__name__)
 #: Version of what a reset leaves in the sandbox (part of every setup cache key).
 SWE_ENV_VERSION = "1"
 TOOLS: tuple[ToolSpec, ...] = (BASH_TOOL, EDITOR_TOOL, SUBMIT_TOOL)
-DEFAULT_COMMAND_TIMEOUT_S = 60.0
-DEFAULT_MAX_OUTPUT_BYTES = 32 * 1024
 #: The most of the agent's diff the grader takes; a bigger change is graded 0 with the reason.
 MAX_PATCH_BYTES = 4 * 1024 * 1024
 #: The most of the grader's log read back.
@@ -81,7 +78,7 @@ def _subshell(command: str) -> str:
     return f"(PATH={_STANDARD_PATH}; set -e; {command})"
 
 
-class SWEEnv:
+class SWEEnv(SandboxedEnv):
     """One episode of a SWE instance in one sandbox."""
 
     def __init__(
@@ -95,54 +92,33 @@ class SWEEnv:
         setup_cache: SetupCache | None = None,
         env_version: str = "",
         counters: collections.Counter[str] | None = None,
-        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
     ) -> None:
+        super().__init__(backend, agent_timeout_s=task.agent_timeout_s, counters=counters)
         self.task = task
-        self.backend = backend
         self.image = image
         self.repos = repos
         self.labels = dict(labels or {})
         self.setup_cache = setup_cache
         self.env_version = env_version
-        self.counters = counters
-        self.max_output_bytes = max_output_bytes
-        self.sandbox: SandboxInfo | None = None
-        self.steps = 0
         self.base_id = ""
         """The workdir's one commit: the agent's change is the diff against it."""
         self.editor = Editor(backend, task.workdir)
-        self._deadline: float | None = None
-        self._done = False
-        self._closed = False
-        self._lock = asyncio.Lock()
 
     @property
     def tools(self) -> tuple[ToolSpec, ...]:
         """``bash``, ``str_replace_editor`` and ``submit``."""
         return TOOLS
 
-    @property
-    def done(self) -> bool:
-        """Tell whether the episode has ended."""
-        return self._done
-
-    def time_left(self) -> float:
-        """Return the seconds of agent time left."""
-        if self._deadline is None:
-            return self.task.agent_timeout_s
-        return self._deadline - time.monotonic()
-
     async def reset(self) -> str:
         """Start a sandbox with the repository at the instance's base commit; return the problem statement."""
         async with self._lock:
             if self._closed:
                 raise SessionClosedError("the environment is closed")
-            await self._destroy()
+            await self._destroy_sandbox()
             self._count("resets")
             self.sandbox, self.base_id = await self._start()
             self.editor = Editor(self.backend, self.task.workdir)
-            self.steps, self._done = 0, False
-            self._deadline = time.monotonic() + self.task.agent_timeout_s
+            self._start_clock()
             logger.info("swe instance %s: sandbox %s ready (image %s)", self.task.instance_id, self.sandbox.id,
                         self.image)
             return self.task.instruction
@@ -160,21 +136,15 @@ class SWEEnv:
             if not isinstance(arguments, Mapping):
                 raise ActionError(f"the arguments of {tool!r} must be an object, got {type(arguments).__name__}")
             if tool == BASH_TOOL.name:
-                command, requested = bash_arguments(arguments)
-                if budget_s is not None:
-                    cap = max(1.0, float(math.floor(budget_s)))
-                    requested = min(requested, cap) if requested is not None else cap
-                self._took_step()
-                return await self._bash(command, requested)
+                return await self._bash_step(arguments, budget_s)
             if tool == EDITOR_TOOL.name:
                 self._took_step()
                 if self.time_left() <= 0:
-                    return await self._finish("[episode ended: agent time limit reached]\n", truncated=True)
+                    return await self._out_of_time("")
                 observation = await self.editor.run(self._sandbox_id(), arguments)
                 return StepResult(observation, None, False, False, {"time_left_s": self.time_left()})
             if tool == SUBMIT_TOOL.name:
-                if arguments:
-                    raise ActionError(f"submit takes no arguments, got {', '.join(map(repr, sorted(arguments)))}")
+                check_no_arguments(tool, arguments)
                 self._took_step()
                 return await self._finish("[episode ended: submitted]\n", truncated=False)
             raise ActionError(f"unknown tool {tool!r}; the tools are: {', '.join(t.name for t in TOOLS)}")
@@ -212,44 +182,13 @@ class SWEEnv:
         env._deadline = time.monotonic() + float(state.get("time_left_s", task.agent_timeout_s))
         return env
 
-    async def close(self) -> None:
-        """Destroy the sandbox; later calls do nothing."""
-        async with self._lock:
-            self._closed = self._done = True
-            await self._destroy()
-
     # ------------------------------------------------------------------ internals
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SessionClosedError("the environment is closed")
-        if self._done:
-            raise SessionClosedError("the episode has ended; reset to start another")
-        if self.sandbox is None:
-            raise SessionClosedError("the environment has not been reset")
-
-    def _sandbox_id(self) -> str:
-        assert self.sandbox is not None
-        return self.sandbox.id
-
-    def _count(self, name: str) -> None:
-        if self.counters is not None:
-            self.counters[name] += 1
-
-    def _took_step(self) -> None:
-        self.steps += 1
-        self._count("env_steps")
 
     def _spec(self, labels: Mapping[str, str] | None = None) -> SandboxSpec:
         task = self.task
         return SandboxSpec(image=self.image, resources=Resources(cpus=task.cpus, memory_mb=task.memory_mb,
                                                                  disk_mb=task.disk_mb),
                            network=False, labels=dict(labels if labels is not None else self.labels))
-
-    async def _destroy(self) -> None:
-        sandbox, self.sandbox = self.sandbox, None
-        if sandbox is not None:
-            await self.backend.destroy(sandbox.id)
 
     async def _sh(self, sandbox_id: str, command: str, *, what: str, timeout_s: float = _HOUSEKEEPING_TIMEOUT_S,
                   max_output_bytes: int | None = None) -> str:
@@ -341,20 +280,6 @@ class SWEEnv:
             await self.backend.destroy(info.id)
             raise
 
-    async def _bash(self, command: str, requested: float | None) -> StepResult:
-        left = self.time_left()
-        if left <= 0:
-            return await self._finish("[episode ended: agent time limit reached]\n", truncated=True)
-        wanted = requested if requested is not None else DEFAULT_COMMAND_TIMEOUT_S
-        timeout = min(wanted, left)
-        result = await self.backend.exec(self._sandbox_id(), command, timeout_s=timeout,
-                                         max_output_bytes=self.max_output_bytes)
-        observation = format_exec_result(result, timeout_s=timeout)
-        if self.time_left() <= 0 or (result.timed_out and wanted >= left):
-            return await self._finish(observation + "\n[episode ended: agent time limit reached]\n", truncated=True)
-        return StepResult(observation, None, False, False,
-                          {"exit_code": result.exit_code, "timed_out": result.timed_out, "time_left_s": self.time_left()})
-
     async def _finish(self, observation: str, *, truncated: bool) -> StepResult:
         self._done = True
         reward, info = await self._grade()
@@ -415,42 +340,53 @@ class SWEEnv:
 
     async def _grade_in(self, sandbox_id: str, patch: str, info: dict[str, Any]) -> tuple[float, dict[str, Any]]:
         task = self.task
-        steps = [f"cd {shlex.quote(task.workdir)}"]
-        if patch:
-            await self.backend.write_file(sandbox_id, f"{_GRADE_DIR}/agent.patch", patch.encode())
-            steps.append(f"git apply --whitespace=nowarn {_GRADE_DIR}/agent.patch || exit 11")
-        if task.test_patch:
-            await self.backend.write_file(sandbox_id, f"{_GRADE_DIR}/test.patch", task.test_patch.encode())
-            steps.append(f"git apply --whitespace=nowarn {_GRADE_DIR}/test.patch || exit 12")
-        log = f"{_GRADE_DIR}/test.log"
-        script = "\n".join([
-            *steps,
-            f"{{ echo '{START_MARKER}'; ( {task.test_cmd} ) ; rc=$?; echo '{END_MARKER}'; "
-            f"echo \"{EXIT_MARKER}: $rc\"; }} > {log} 2>&1",
-            "exit 0",
-        ]) + "\n"
-        await self.backend.write_file(sandbox_id, f"{_GRADE_DIR}/grade.sh", script.encode(), mode=0o755)
-        result = await self.backend.exec(sandbox_id, f"bash {_GRADE_DIR}/grade.sh", timeout_s=task.verifier_timeout_s,
-                                         max_output_bytes=16 * 1024)
-        if result.timed_out:
-            raise _GradingError(f"the tests ran past the {task.verifier_timeout_s:g}s limit")
-        if result.exit_code == 11:
-            info["patch_applied"] = False
-            raise _GradingError(f"the agent's change does not apply: {result.stderr.strip()[-500:]}")
-        if result.exit_code == 12:
-            raise _GradingError(f"test_patch does not apply to the agent's change: {result.stderr.strip()[-500:]}")
-        info["patch_applied"] = True
-        try:
-            raw = await self.backend.read_file(sandbox_id, log, max_bytes=MAX_LOG_BYTES)
-        except FileTooLargeError:
-            raise _GradingError(f"the test log is larger than {MAX_LOG_BYTES // (1024 * 1024)} MiB") from None
-        text = raw.decode("utf-8", errors="replace")
+        text = await run_tests(self.backend, sandbox_id, task, patches=[("agent", patch), ("test", task.test_patch)],
+                               info=info)
         report = grade(text, parser=task.log_parser, fail_to_pass=task.fail_to_pass, pass_to_pass=task.pass_to_pass)
         info.update(report.to_info())
         info["log_tail"] = text[-2048:]
         if report.problem:
             info["error"] = report.problem
         return (1.0 if report.resolved else 0.0), info
+
+
+async def run_tests(backend: SandboxBackend, sandbox_id: str, task: SWETask, *, patches: list[tuple[str, str]],
+                    info: dict[str, Any] | None = None) -> str:
+    """Apply ``patches`` (name, diff) in the workdir, run ``test_cmd`` between the markers; return the log.
+
+    Raises:
+        _GradingError: a patch does not apply, the tests ran out of time, or the log is too big.
+    """
+    steps = [f"cd {shlex.quote(task.workdir)}"]
+    applied = [(name, patch) for name, patch in patches if patch]
+    for code, (name, patch) in enumerate(applied, start=11):
+        await backend.write_file(sandbox_id, f"{_GRADE_DIR}/{name}.patch", patch.encode())
+        steps.append(f"git apply --whitespace=nowarn {_GRADE_DIR}/{name}.patch || exit {code}")
+    log = f"{_GRADE_DIR}/test.log"
+    script = "\n".join([
+        *steps,
+        f"{{ echo '{START_MARKER}'; ( {task.test_cmd} ) ; rc=$?; echo '{END_MARKER}'; "
+        f"echo \"{EXIT_MARKER}: $rc\"; }} > {log} 2>&1",
+        "exit 0",
+    ]) + "\n"
+    await backend.write_file(sandbox_id, f"{_GRADE_DIR}/grade.sh", script.encode(), mode=0o755)
+    result = await backend.exec(sandbox_id, f"bash {_GRADE_DIR}/grade.sh", timeout_s=task.verifier_timeout_s,
+                                max_output_bytes=16 * 1024)
+    if result.timed_out:
+        raise _GradingError(f"the tests ran past the {task.verifier_timeout_s:g}s limit")
+    if 11 <= result.exit_code < 11 + len(applied):
+        name = applied[result.exit_code - 11][0]
+        if info is not None and name == "agent":
+            info["patch_applied"] = False
+        whose = "the agent's change" if name == "agent" else f"the {name} patch"
+        raise _GradingError(f"{whose} does not apply: {result.stderr.strip()[-500:]}")
+    if info is not None:
+        info["patch_applied"] = True
+    try:
+        raw = await backend.read_file(sandbox_id, log, max_bytes=MAX_LOG_BYTES)
+    except FileTooLargeError:
+        raise _GradingError(f"the test log is larger than {MAX_LOG_BYTES // (1024 * 1024)} MiB") from None
+    return raw.decode("utf-8", errors="replace")
 
 
 class _GradingError(Exception):
@@ -465,4 +401,4 @@ def oracle_patch_command(task: SWETask) -> str:
             f"git apply --whitespace=nowarn{reverse} -")
 
 
-__all__ = ["SWE_ENV_VERSION", "TOOLS", "SWEEnv", "oracle_patch_command"]
+__all__ = ["SWE_ENV_VERSION", "TOOLS", "SWEEnv", "oracle_patch_command", "run_tests"]

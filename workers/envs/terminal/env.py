@@ -19,14 +19,7 @@ files, not processes: a setup that leaves any running (a service, a daemon) is n
 cached, and every reset of its task runs it, as without a cache. A failure to cache
 (snapshot, index) does not fail the reset: it goes on with the uncached sandbox.
 
-The observation of a bash step is, in this order and each only when present::
-
-    <stdout>
-    [stderr]
-    <stderr>
-    [output truncated]
-    [timed out after 60s]
-    [exit code: N]
+The bash tool and the agent clock are :mod:`workers.envs.sandboxed`'s.
 """
 
 from __future__ import annotations
@@ -35,7 +28,6 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import math
 import shlex
 import time
 from collections.abc import Mapping
@@ -56,6 +48,15 @@ from sandboxes.errors import (
     SandboxNotFoundError,
 )
 from workers.envs.base import Action, EnvSnapshot, StepResult, ToolSpec
+from workers.envs.sandboxed import (
+    BASH_TOOL,
+    DEFAULT_MAX_OUTPUT_BYTES,
+    SUBMIT_TOOL,
+    SandboxedEnv,
+    bash_arguments,
+    check_no_arguments,
+    format_exec_result,
+)
 from workers.envs.terminal.task import SETUP_SCRIPT, TerminalTask
 from workers.envs.terminal.verifier import (
     REWARD_JSON,
@@ -63,7 +64,6 @@ from workers.envs.terminal.verifier import (
     REWARD_TXT,
     VERIFIER_LOG_DIR,
     RewardError,
-    finite_number,
     parse_reward_json,
     parse_reward_txt,
 )
@@ -80,10 +80,6 @@ logger = logging.getLogger(__name__)
 #: Version of what a reset leaves in the sandbox; part of every setup cache key. Bump it
 #: when reset changes (other dirs, another way of running reset.sh) so old entries miss.
 TERMINAL_ENV_VERSION = "4"
-#: Seconds a bash call may run when the agent gives no timeout.
-DEFAULT_COMMAND_TIMEOUT_S = 60.0
-#: Bytes of stdout (and, separately, stderr) an observation keeps per command.
-DEFAULT_MAX_OUTPUT_BYTES = 32 * 1024
 #: Where the agent's logs go, and where the verifier finds the tests.
 AGENT_LOG_DIR = "/logs/agent"
 TESTS_DIR = "/tests"
@@ -121,55 +117,10 @@ done
 unset __fy_d __fy_p __fy_s __fy_c
 """
 
-BASH_TOOL = ToolSpec(
-    name="bash",
-    description=(
-        "Run a bash command in the task's terminal and return its stdout, stderr and exit code. "
-        "The shell persists between calls (cd and export carry over). Commands get no stdin; "
-        "do not start interactive programs."
-    ),
-    parameters={
-        "type": "object",
-        "properties": {
-            "command": {"type": "string", "description": "The bash command to run."},
-            "timeout": {
-                "type": "number",
-                "description": f"Seconds before the command is killed (default {DEFAULT_COMMAND_TIMEOUT_S:g}).",
-            },
-        },
-        "required": ["command"],
-        "additionalProperties": False,
-    },
-)
-
-SUBMIT_TOOL = ToolSpec(
-    name="submit",
-    description="Finish the task: call this once the work is done; the result is then checked.",
-    parameters={"type": "object", "properties": {}, "additionalProperties": False},
-    ends_episode=True,
-)
-
 TOOLS: tuple[ToolSpec, ...] = (BASH_TOOL, SUBMIT_TOOL)
 
 
-def format_exec_result(result: ExecResult, *, timeout_s: float | None = None) -> str:
-    """Render a command's outcome as the observation text the agent sees."""
-    parts: list[str] = []
-    if result.stdout:
-        parts.append(result.stdout if result.stdout.endswith("\n") else result.stdout + "\n")
-    if result.stderr:
-        stderr = result.stderr if result.stderr.endswith("\n") else result.stderr + "\n"
-        parts.append("[stderr]\n" + stderr)
-    if result.truncated:
-        parts.append("[output truncated]\n")
-    if result.timed_out:
-        after = f" after {round(timeout_s, 1):g}s" if timeout_s is not None else ""
-        parts.append(f"[timed out{after}]\n")
-    parts.append(f"[exit code: {result.exit_code}]")
-    return "".join(parts)
-
-
-class TerminalEnv:
+class TerminalEnv(SandboxedEnv):
     """One episode of a terminal task in one sandbox: reset, step, submit, close."""
 
     def __init__(
@@ -196,35 +147,17 @@ class TerminalEnv:
             ca_bundle: the host's CA certificates, which a networked task's sandbox trusts
                 (:mod:`workers.trust`).
         """
+        super().__init__(backend, agent_timeout_s=task.agent_timeout_s, counters=counters,
+                         max_output_bytes=max_output_bytes)
         self.task = task
         self.ca_bundle = ca_bundle if task.network else None
-        self.backend = backend
         self.image = image
         self.labels = dict(labels or {})
-        self.max_output_bytes = max_output_bytes
         self.setup_cache = setup_cache
         self.env_version = env_version
-        self.counters = counters
-        self.sandbox: SandboxInfo | None = None
         self.workdir: str | None = None
         """The shell's directory right after reset (the image's WORKDIR); tests and the oracle run there."""
-        self.steps = 0
-        self._deadline: float | None = None
         self._initial_env: dict[str, str] | None = None
-        self._done = False
-        self._closed = False
-        self._lock = asyncio.Lock()
-
-    @property
-    def done(self) -> bool:
-        """Tell whether the episode has ended (submitted or out of time)."""
-        return self._done
-
-    def time_left(self) -> float:
-        """Return the seconds of agent time left (the full budget before reset)."""
-        if self._deadline is None:
-            return self.task.agent_timeout_s
-        return self._deadline - time.monotonic()
 
     async def reset(self) -> str:
         """Start a sandbox ready for the task (dropping any previous one) and return the instruction.
@@ -244,9 +177,7 @@ class TerminalEnv:
                 await self._start_cached(self.setup_cache)
             else:
                 await self._start_fresh()
-            self.steps = 0
-            self._done = False
-            self._deadline = time.monotonic() + self.task.agent_timeout_s
+            self._start_clock()
             logger.info(
                 "terminal task %s: sandbox %s ready (image %s, workdir %s)",
                 self.task.name,
@@ -288,17 +219,10 @@ class TerminalEnv:
             if not isinstance(arguments, Mapping):
                 raise ActionError(f"the arguments of {tool!r} must be an object, got {type(arguments).__name__}")
             if tool == BASH_TOOL.name:
-                command, requested = bash_arguments(arguments)
-                if budget_s is not None:
-                    cap = max(1.0, float(math.floor(budget_s)))
-                    requested = min(requested, cap) if requested is not None else cap
-                self.steps += 1
-                self._count("env_steps")
-                return await self._bash(command, requested)
+                return await self._bash_step(arguments, budget_s)
             if tool == SUBMIT_TOOL.name:
-                _check_no_arguments(tool, arguments)
-                self.steps += 1
-                self._count("env_steps")
+                check_no_arguments(tool, arguments)
+                self._took_step()
                 return await self._finish("[episode ended: submitted]\n", truncated=False)
             names = ", ".join(t.name for t in TOOLS)
             raise ActionError(f"unknown tool {tool!r}; the tools are: {names}")
@@ -359,30 +283,7 @@ class TerminalEnv:
         env._deadline = time.monotonic() + left
         return env
 
-    async def close(self) -> None:
-        """Destroy the sandbox; later calls do nothing."""
-        async with self._lock:
-            self._closed = True
-            self._done = True
-            await self._destroy_sandbox()
-
     # ------------------------------------------------------------------ internals
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise SessionClosedError("the environment is closed")
-        if self._done:
-            raise SessionClosedError("the episode has ended; reset to start another")
-        if self.sandbox is None:
-            raise SessionClosedError("the environment has not been reset")
-
-    def _sandbox_id(self) -> str:
-        assert self.sandbox is not None
-        return self.sandbox.id
-
-    def _count(self, name: str) -> None:
-        if self.counters is not None:
-            self.counters[name] += 1
 
     def _spec(self) -> SandboxSpec:
         return SandboxSpec(
@@ -539,12 +440,6 @@ class TerminalEnv:
             )
         await self._housekeeping(f"rm -rf {SETUP_DIR}", what=f"remove {SETUP_DIR}")
 
-    async def _destroy_sandbox(self) -> None:
-        sandbox, self.sandbox = self.sandbox, None
-        if sandbox is not None:
-            await self.backend.destroy(sandbox.id)
-            logger.info("terminal task %s: sandbox %s destroyed", self.task.name, sandbox.id)
-
     async def _housekeeping(self, command: str, *, what: str, sandbox_id: str | None = None) -> ExecResult:
         # A subshell with a standard PATH: whatever the agent exported must not break these.
         sandbox_id = sandbox_id or self._sandbox_id()
@@ -584,31 +479,6 @@ class TerminalEnv:
         elif extra:
             run = f"command -p env {extra} {run}"
         return f"(cd {shlex.quote(self.workdir or '/')} && {run})"
-
-    async def _bash(self, command: str, requested: float | None) -> StepResult:
-        left = self.time_left()
-        if left <= 0:
-            return await self._out_of_time("")
-        wanted = requested if requested is not None else DEFAULT_COMMAND_TIMEOUT_S
-        timeout = min(wanted, left)
-        result = await self.backend.exec(
-            self._sandbox_id(), command, timeout_s=timeout, max_output_bytes=self.max_output_bytes
-        )
-        observation = format_exec_result(result, timeout_s=timeout)
-        # A command cut short by the agent's deadline (not its own timeout) ends the episode.
-        if self.time_left() <= 0 or (result.timed_out and wanted >= left):
-            return await self._out_of_time(observation + "\n")
-        return StepResult(
-            observation=observation,
-            reward=None,
-            terminated=False,
-            truncated=False,
-            info={"exit_code": result.exit_code, "timed_out": result.timed_out, "time_left_s": self.time_left()},
-        )
-
-    async def _out_of_time(self, observation: str) -> StepResult:
-        note = f"[episode ended: agent time limit of {self.task.agent_timeout_s:g}s reached]\n"
-        return await self._finish(observation + note, truncated=True)
 
     async def _finish(self, observation: str, *, truncated: bool) -> StepResult:
         """Run the verifier, end the episode and return the final step."""
@@ -722,32 +592,6 @@ class TerminalEnv:
         except RewardError as exc:
             return 0.0, {}, verifier, str(exc)
         return reward, details, verifier, None
-
-
-def bash_arguments(arguments: Mapping[str, Any]) -> tuple[str, float | None]:
-    """Return (command, timeout or None) of a bash call's arguments; raise ActionError if they are invalid."""
-    unknown = sorted(set(arguments) - {"command", "timeout"})
-    if unknown:
-        raise ActionError(f"bash takes 'command' and optional 'timeout', not {', '.join(map(repr, unknown))}")
-    command = arguments.get("command")
-    if not isinstance(command, str):
-        raise ActionError(f"bash needs a 'command' string, got {command!r}")
-    if not command.strip():
-        raise ActionError("bash needs a non-empty 'command'")
-    if "\x00" in command:
-        raise ActionError("the bash command must not contain NUL bytes")
-    timeout = arguments.get("timeout")
-    if timeout is None:
-        return command, None
-    number = finite_number(timeout)
-    if number is None or number <= 0:
-        raise ActionError(f"bash 'timeout' must be a positive number of seconds, got {timeout!r}")
-    return command, number
-
-
-def _check_no_arguments(tool: str, arguments: Mapping[str, Any]) -> None:
-    if arguments:
-        raise ActionError(f"{tool} takes no arguments, got {', '.join(map(repr, sorted(arguments)))}")
 
 
 __all__ = ["BASH_TOOL", "SUBMIT_TOOL", "TOOLS", "TerminalEnv", "bash_arguments", "format_exec_result"]

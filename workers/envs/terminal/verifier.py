@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 
+from workers.envs.sandboxed import finite_number
+
 #: Where the verifier writes its reward.
 VERIFIER_LOG_DIR = "/logs/verifier"
 REWARD_TXT = f"{VERIFIER_LOG_DIR}/reward.txt"
@@ -20,13 +22,6 @@ REWARD_MAX_BYTES = 64 * 1024
 
 class RewardError(Exception):
     """The verifier's reward file is missing or malformed."""
-
-
-def finite_number(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else None
 
 
 def parse_reward_txt(raw: bytes) -> tuple[float, dict[str, float]]:
@@ -59,4 +54,4 @@ def parse_reward_json(raw: bytes) -> tuple[float, dict[str, float]]:
     return reward, details
 
 
-__all__ = ["REWARD_JSON", "REWARD_MAX_BYTES", "REWARD_TXT", "VERIFIER_LOG_DIR", "RewardError", "finite_number", "parse_reward_json", "parse_reward_txt"]
+__all__ = ["REWARD_JSON", "REWARD_MAX_BYTES", "REWARD_TXT", "VERIFIER_LOG_DIR", "RewardError", "parse_reward_json", "parse_reward_txt"]
