@@ -210,7 +210,7 @@ class _Run:
 
 
 #: Keys of a step's info that describe the step, not the episode's verdict.
-_STEP_ONLY_INFO = frozenset({"exit_code", "timed_out", "time_left_s", "oracle"})
+_STEP_ONLY_INFO = frozenset({"exit_code", "timed_out", "time_left_s"})
 #: Characters of the verifier's stdout and stderr an episode keeps (the tail: where test runners summarize).
 VERIFIER_TAIL_CHARS = 2048
 

@@ -111,11 +111,11 @@ class Editor:
         path = arguments["path"]
         if not isinstance(path, str) or not path.startswith("/"):
             raise ActionError(f"str_replace_editor: path must be an absolute path, got {path!r}")
-        kind, real, size = await self._probe(sandbox_id, path)
+        kind, real = await self._probe(sandbox_id, path)
         if command == "view":
             if kind == "dir":
                 return await self._list(sandbox_id, real)
-            text = await self._read_text(sandbox_id, path, real, kind, size)
+            text = await self._read_text(sandbox_id, path, real, kind)
             return _numbered(text, arguments.get("view_range"), path)
         if command == "create":
             content = _string(arguments, "file_text")
@@ -124,7 +124,7 @@ class Editor:
             await self._write(sandbox_id, real, content)
             self.history.setdefault(real, []).append("\0absent")
             return f"File created: {path}"
-        text = await self._read_text(sandbox_id, path, real, kind, size)
+        text = await self._read_text(sandbox_id, path, real, kind)
         if command == "str_replace":
             old = _string(arguments, "old_str")
             new = _string(arguments, "new_str") if "new_str" in arguments else ""
@@ -177,8 +177,8 @@ class Editor:
             raise ActionError(f"str_replace_editor: {(result.stderr or result.stdout).strip()[-300:]}")
         return result.stdout
 
-    async def _probe(self, sandbox_id: str, path: str) -> tuple[str, str, int]:
-        """Return (kind: file|dir|none|other, resolved path, size or 0) of ``path``, refusing one outside the workdir.
+    async def _probe(self, sandbox_id: str, path: str) -> tuple[str, str]:
+        """Return (kind: file|dir|none|other, resolved path) of ``path``, refusing one outside the workdir.
 
         The common case costs no process in the sandbox: the path is normalized here and
         the shell's own ``test`` checks that no component is a symlink; only a path through
@@ -204,9 +204,9 @@ class Editor:
         if real != self.workdir and not real.startswith(self.workdir + "/"):
             raise ActionError(f"{path} is outside the repository ({self.workdir}); the editor works inside it "
                               "(use bash for anything else)")
-        return kind, real, 0
+        return kind, real
 
-    async def _read_text(self, sandbox_id: str, path: str, real: str, kind: str, size: int) -> str:
+    async def _read_text(self, sandbox_id: str, path: str, real: str, kind: str) -> str:
         if kind == "none":
             raise ActionError(f"{path} does not exist")
         if kind != "file":
