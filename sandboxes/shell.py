@@ -38,6 +38,8 @@ SHELL_DIED_EXIT_CODE = -1
 TIMEOUT_EXIT_CODE = 124
 #: Signal a backend sends the shell to abort the running command (before killing its processes).
 ABORT_SIGNAL = signal.SIGUSR1
+#: How many times a timed-out command is aborted within the grace period before the shell is replaced.
+_ABORT_ATTEMPTS = 4
 
 # The sandbox's clock in ticks (1/100 s, the unit of /proc/PID/stat starttime).
 UPTIME_SCRIPT = r"""read -r up _ < /proc/uptime; echo "$((10#${up/./}))" """
@@ -188,6 +190,28 @@ class ShellChannel:
         self.broken = True
         self._finished.set()
 
+    async def _abort(self, on_timeout: Callable[[], Awaitable[None]] | None, grace_s: float) -> bool:
+        """Abort the running command within ``grace_s``; return whether the shell answered.
+
+        The abort is repeated a few times: on a loaded host the signal can reach the shell
+        before it has entered the command's function (where the trap returns), and a
+        process can be forked just after a kill sweep. Each retry is cheap, and replacing
+        the shell (the alternative) loses its cwd and exports.
+        """
+        deadline = time.monotonic() + grace_s
+        for attempt in range(_ABORT_ATTEMPTS):
+            if on_timeout is not None:
+                await on_timeout()
+            left = deadline - time.monotonic()
+            wait = left if attempt == _ABORT_ATTEMPTS - 1 else min(left, grace_s / _ABORT_ATTEMPTS)
+            try:
+                await asyncio.wait_for(self._finished.wait(), max(wait, 0.0))
+                return True
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    return False
+        return self._finished.is_set()
+
     async def run(
         self,
         command: str,
@@ -226,13 +250,9 @@ class ShellChannel:
                 await asyncio.wait_for(self._finished.wait(), timeout_s)
             except TimeoutError:
                 timed_out = True
-                if on_timeout is not None:
-                    await on_timeout()
-                try:
-                    await asyncio.wait_for(self._finished.wait(), grace_s)
-                except TimeoutError:
-                    # A builtin loop (`while :; do :; done`) cannot be killed apart from
-                    # the shell itself: the backend replaces the shell.
+                if not await self._abort(on_timeout, grace_s):
+                    # A shell that ignores the abort (`trap '' USR1; while :; do :; done`)
+                    # cannot be stopped apart from itself: the backend replaces the shell.
                     self.broken = True
             stdout, t1 = self._out.text()
             stderr, t2 = self._err.text()

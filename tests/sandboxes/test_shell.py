@@ -120,6 +120,37 @@ async def test_abort_signal_skips_the_rest_of_the_command(channel):
     assert (await channel.run("echo $X", timeout_s=5)).stdout == "1\n"
 
 
+async def test_an_abort_that_misses_is_repeated_before_the_shell_is_given_up(channel):
+    # On a loaded host the first abort can land before the command started what it
+    # starts (here: the sweep finds nothing to kill); the next attempt must finish the job.
+    attempts = []
+
+    async def on_timeout():
+        attempts.append(ticks_now())
+        if len(attempts) > 1:
+            os.kill(channel.pid, ABORT_SIGNAL)
+            kill_descendants_since(channel.pid, since)
+
+    since = ticks_now()
+    r = await channel.run("export Y=2; sleep 30; echo never", timeout_s=0.3, on_timeout=on_timeout, grace_s=3.0)
+    assert (r.exit_code, r.timed_out, r.stdout) == (TIMEOUT_EXIT_CODE, True, "")
+    assert len(attempts) == 2 and not channel.broken
+    assert (await channel.run("echo $Y", timeout_s=5)).stdout == "2\n"
+
+
+async def test_a_shell_that_ignores_every_abort_is_marked_broken(channel):
+    attempts = []
+
+    async def on_timeout():
+        attempts.append(True)
+
+    since = ticks_now()
+    r = await channel.run("sleep 30", timeout_s=0.1, on_timeout=on_timeout, grace_s=0.4)
+    assert r.timed_out and channel.broken
+    assert len(attempts) >= 2
+    kill_descendants_since(channel.pid, since)  # what a backend does when it replaces the shell
+
+
 @pytest.mark.parametrize(
     ("path", "expected"),
     [("/etc/passwd", "/etc/passwd"), ("a/b", "/work/a/b"), ("/a/../b", "/b"), ("./x//y/", "/work/x/y")],
