@@ -15,6 +15,14 @@ Run with ``.venv/bin/python bench/swe.py [--backend local|docker|all] [--steps 2
 - ``oracle rollout``: every instance solved by the scripted oracle through the episode
   runner, 4 at a time: episodes per minute.
 
+``--scale 2000,6600`` adds resets of generated repositories of that many files (6 KB of
+Python each; django's checkout has about 6,600 files): the cold reset grows with the
+repository, the cached one does not, so the ratio is measured at SWE-bench's sizes.
+
+``--synth`` adds the instances ``examples/swe/synth_pypi.sh`` synthesizes from real PyPI
+projects (inflection, toolz; made once, then cached): the reset ratio is printed per
+repository too, since a reset's cost grows with the repository written into the workdir.
+
 SWE-ReX's per-command latency (its local deployment, ``echo hi``) is measured in the same
 run as the baseline of the bash and editor steps (``bench/.venv-swerex``, made on first use).
 """
@@ -28,6 +36,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from sandboxes.backends import create_backend, docker_available  # noqa: E402
 from sandboxes.base import LABEL_OWNER  # noqa: E402
 from sandboxes.images import DEFAULT_IMAGE_CACHE, ensure_base_image  # noqa: E402
-from workers.envs.base import Action, run_actions  # noqa: E402
+from workers.envs.base import Action  # noqa: E402
 from workers.envs.swe import FAMILY  # noqa: E402
 from workers.envs.swe.repos import RepoStore  # noqa: E402
 from workers.envs.swe.task import SWETask, parse_jsonl  # noqa: E402
@@ -88,6 +97,7 @@ async def bench_backend(kind: str, tasks: list[SWETask], root: Path, steps: int)
                 t0 = time.perf_counter()
                 await env.reset()
                 out[key].append(time.perf_counter() - t0)
+                out.setdefault(f"{key} {task.repo}", []).append(out[key][-1])
                 if key == "reset (cached)":
                     await env.step(Action(*_oracle_call(task)))
                     t0 = time.perf_counter()
@@ -147,6 +157,70 @@ async def bench_backend(kind: str, tasks: list[SWETask], root: Path, steps: int)
     return out
 
 
+async def bench_scale(kind: str, store: RepoStore, sizes: list[int], root: Path, runs: int = 3) -> dict[int, dict]:
+    """Cold and cached resets of generated repositories of ``sizes`` files each."""
+    from workers.envs.swe.repos import commit_directory, head_commit
+
+    out: dict[int, dict] = {}
+    backend = create_backend(kind, node=f"bench-swe-scale-{uuid.uuid4().hex[:6]}", root_dir=root / f"scale-{kind}")
+    owner = {LABEL_OWNER: "bench-swe-scale"}
+    try:
+        base = await ensure_base_image(backend, DEFAULT_IMAGE_CACHE)
+        cache = SetupCache(backend, root / f"scale-{kind}" / "setup-cache")
+        runtime = WorkerRuntime(backend, image_cache_dir=DEFAULT_IMAGE_CACHE, base_image=base, setup_cache=cache)
+        for n in sizes:
+            repo = f"bench/scale{n}"
+            if not store.has(repo):
+                src = root / f"scale{n}-src" / f"scale{n}"
+                for i in range(n):
+                    path = src / "pkg" / f"m{i // 100:03d}" / f"mod{i:05d}.py"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    body = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}  # {'.' * 40}\n\n" for j in range(80))
+                    path.write_text(body[:6144])
+                commit_directory(src, root / f"scale{n}-repo")
+                store.add(root / f"scale{n}-repo", name=repo)
+            task = SWETask(instance_id=f"scale-{n}", repo=repo, base_commit=head_commit(store.path(repo)),
+                           problem_statement="Nothing to fix: a reset benchmark.")
+            image = await runtime.task_image(task)
+            cold: list[float] = []
+            cached: list[float] = []
+            for _ in range(runs):
+                await cache.clear()
+                for times in (cold, cached):
+                    env = runtime.new_env(task, image=image, labels=owner)
+                    t0 = time.perf_counter()
+                    await env.reset()
+                    times.append(time.perf_counter() - t0)
+                    await env.close()
+            out[n] = {"reset (cold)": cold, "reset (cached)": cached}
+        await cache.clear()
+    finally:
+        for info in await backend.list():
+            await backend.destroy(info.id)
+        await backend.aclose()
+    return out
+
+
+def _synthesized(store: RepoStore) -> list[SWETask]:
+    """The instances synth_pypi.sh makes (or finds cached), their repositories added to ``store``."""
+    print("synthesizing (or reading the cache of) examples/swe/synth_pypi.sh ...", file=sys.stderr)
+    done = subprocess.run(["bash", str(EXAMPLES / "synth_pypi.sh")], cwd=ROOT, check=True,
+                          stdout=subprocess.PIPE, text=True)
+    cache = Path(done.stdout.strip().splitlines()[-1])
+    tasks: list[SWETask] = []
+    for jsonl in sorted(cache.glob("*.jsonl")):
+        store.add(cache / "repos" / f"pypi__{jsonl.stem}.git", name=f"pypi/{jsonl.stem}")
+        tasks += parse_jsonl(jsonl.read_bytes())
+    return tasks
+
+
+def _file_count(store: RepoStore, task: SWETask) -> int:
+    """Files in the workdir a reset of ``task`` writes (its repository at base_commit)."""
+    listing = subprocess.run(["git", "-C", str(store.path(task.repo)), "ls-tree", "-r", "--name-only",
+                              task.base_commit], check=True, stdout=subprocess.PIPE, text=True).stdout
+    return len(listing.splitlines())
+
+
 def _fields(task: SWETask) -> dict:
     from dataclasses import fields
 
@@ -163,6 +237,9 @@ def main() -> None:
     parser.add_argument("--backend", choices=["local", "docker", "all"], default="all")
     parser.add_argument("--steps", type=int, default=200, help="bash and editor steps timed (each)")
     parser.add_argument("--skip-swerex", action="store_true")
+    parser.add_argument("--scale", default="", help="comma-separated repository sizes (files) to time resets at")
+    parser.add_argument("--synth", action="store_true",
+                        help="also the instances synthesized from PyPI projects (examples/swe/synth_pypi.sh)")
     args = parser.parse_args()
     kinds = ["local", "docker"] if args.backend == "all" else [args.backend]
     kinds = [k for k in kinds if k != "docker" or docker_available()]
@@ -174,8 +251,13 @@ def main() -> None:
             store.add(EXAMPLES / "repos" / name, name=f"forkyard/{name}")
         FAMILY.configure(repo_store=store.root)
         tasks = parse_jsonl((EXAMPLES / "instances.jsonl").read_bytes())
+        if args.synth:
+            tasks += _synthesized(store)
+        files = {t.repo: _file_count(store, t) for t in tasks}
         for kind in kinds:
             results[kind] = asyncio.run(bench_backend(kind, tasks, Path(tmp), args.steps))
+        sizes = [int(s) for s in args.scale.split(",") if s.strip()]
+        scale = {kind: asyncio.run(bench_scale(kind, store, sizes, Path(tmp))) for kind in kinds} if sizes else {}
     swerex: dict[str, list[float]] = {}
     if not args.skip_swerex:
         swerex = _load_sandboxes_bench().bench_swerex(args.steps)
@@ -191,8 +273,19 @@ def main() -> None:
         print(f"| {kind} | " + " | ".join(f"{ms(data[r]):.1f}" for r in rows)
               + f" | {data['oracle rollout'][0]:.0f} |")
     if swerex.get("exec"):
-        print(f"| SWE-ReX (local) | " + " | ".join("—" if r not in ("bash",) else f"{ms(swerex['exec']):.1f}"
+        print("| SWE-ReX (local) | " + " | ".join("—" if r not in ("bash",) else f"{ms(swerex['exec']):.1f}"
                                                   for r in rows) + " | — |")
+    print()
+    print("| backend | repository | files | reset (cold) p50 (ms) | reset (cached) p50 (ms) | ratio |")
+    print("|---|---|---|---|---|---|")
+    for kind, data in results.items():
+        for repo in sorted({t.repo for t in tasks}):
+            cold, cached = ms(data[f"reset (cold) {repo}"]), ms(data[f"reset (cached) {repo}"])
+            print(f"| {kind} | {repo} | {files[repo]} | {cold:.1f} | {cached:.1f} | {cold / cached:.1f}x |")
+    for kind, by_size in scale.items():
+        for n, data in by_size.items():
+            cold, cached = ms(data["reset (cold)"]), ms(data["reset (cached)"])
+            print(f"| {kind} | generated, 6 KB per file | {n} | {cold:.1f} | {cached:.1f} | {cold / cached:.1f}x |")
     print()
     print("Ratios:")
     for kind, data in results.items():
