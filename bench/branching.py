@@ -223,11 +223,11 @@ async def bench_tree(kind: str, root: Path, *, prefix: int, suffix: int, fanout:
                      reps: int) -> dict[str, list[float]]:
     """Time one tree (prefix shared, fanout branches) against fanout linear episodes; count env steps."""
     from workers.branching import BranchingSpec, Tree
+    from workers.envs.terminal.task import load_task_dir
     from workers.policy.base import Sampling
     from workers.policy.scripted import ScriptedPolicy
     from workers.runner import AgentSettings, StageLimits, run_episode
     from workers.runtime import WorkerRuntime
-    from workers.envs.terminal.task import load_task_dir
 
     backend = create_backend(kind, node=f"bench-tree-{secrets.token_hex(4)}", root_dir=root / f"tree-{kind}")
     runtime = WorkerRuntime(backend, image_cache_dir=DEFAULT_IMAGE_CACHE)
@@ -253,7 +253,7 @@ async def bench_tree(kind: str, root: Path, *, prefix: int, suffix: int, fanout:
             async def on_step(_eid: str, _step: object) -> None:
                 return None
 
-            async def on_finish(_eid: str, result: object) -> None:
+            async def on_finish(_eid: str, result: object, results: list = results) -> None:
                 results.append(result)
 
             spec = BranchingSpec.from_dict({"at_turns": [prefix], "fanout": fanout})
@@ -285,9 +285,9 @@ async def bench_tree(kind: str, root: Path, *, prefix: int, suffix: int, fanout:
 
 async def bench_setup_cache(kind: str, root: Path, reps: int) -> dict[str, list[float]]:
     """Time reset() of the slow-setup task cold (no cache) and from the setup cache."""
+    from workers.envs.terminal.task import load_task_dir
     from workers.runtime import WorkerRuntime
     from workers.setup_cache import SetupCache
-    from workers.envs.terminal.task import load_task_dir
 
     backend = create_backend(kind, node=f"bench-cache-{secrets.token_hex(4)}", root_dir=root / f"cache-{kind}")
     cache = SetupCache(backend, root / f"cache-index-{kind}")

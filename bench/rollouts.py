@@ -49,9 +49,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import forkyard
 import httpx
 
+import forkyard
 from tests.live import LiveGateway, run_gateway
 
 TASKS_DIR = ROOT / "examples" / "tasks" / "terminal"

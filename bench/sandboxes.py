@@ -84,7 +84,7 @@ async def bench_backend(
         try:
             for _ in range(5):
                 await backend.exec(info.id, "echo hi")
-            for i in range(runs):
+            for _ in range(runs):
                 t = time.perf_counter()
                 r = await backend.exec(info.id, "echo hi")
                 out["exec"].append(time.perf_counter() - t)

@@ -178,7 +178,9 @@ async def _build_base(settings: Settings, kinds: Sequence[str]) -> int:
     from sandboxes.errors import SandboxError
     from sandboxes.images import ensure_base_image
 
-    progress: Callable[[str], None] = lambda line: _stderr(f"  {line}")
+    def progress(line: str) -> None:
+        _stderr(f"  {line}")
+
     for kind in kinds:
         backend = _cli_backend(settings, kind)
         try:

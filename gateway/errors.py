@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sandboxes.errors import SandboxError
-from workers import errors as worker_errors
+from workers.errors import WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -133,21 +133,10 @@ def map_foreign_error(exc: Exception) -> GatewayError | None:
     """Return the gateway error a worker or sandbox error stands for, or None."""
     if isinstance(exc, GatewayError):
         return exc
-    if isinstance(exc, worker_errors.TaskFormatError):
-        message = str(exc)
-        if exc.file and exc.file not in message:
-            message = f"{exc.file}: {message}"
-        return InvalidRequestError(_sentence(message), code="task_format_error")
-    if isinstance(exc, worker_errors.ActionError):
-        return InvalidRequestError(_sentence(str(exc)), code="invalid_action")
-    if isinstance(exc, worker_errors.SessionNotFoundError):
-        return NotFoundError(_sentence(str(exc)))
-    if isinstance(exc, worker_errors.SessionClosedError):
-        return ConflictError(_sentence(str(exc)), code="session_closed")
-    if isinstance(exc, worker_errors.ImageBuildError):
-        return InvalidRequestError(_sentence(str(exc)), code="image_build_error")
-    if isinstance(exc, worker_errors.TaskSetupError):
-        return InvalidRequestError(_sentence(str(exc)), code="task_setup_failed")
+    if isinstance(exc, WorkerError):
+        if exc.status >= 500:  # a bug or an infrastructure failure: nothing of it is the client's business
+            return GatewayError(exc.status, exc.code, "An internal error occurred.")
+        return GatewayError(exc.status, exc.code, _sentence(exc.message))
     if isinstance(exc, SandboxError):
         return UnavailableError(_sentence(f"Sandbox backend error: {exc}"), code="sandbox_error")
     return None
@@ -209,7 +198,7 @@ async def _validation_error_handler(request: Request, exc: Exception) -> JSONRes
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers that turn every known error into the JSON error shape."""
     app.add_exception_handler(GatewayError, _gateway_error_handler)
-    app.add_exception_handler(worker_errors.WorkerError, _gateway_error_handler)
+    app.add_exception_handler(WorkerError, _gateway_error_handler)
     app.add_exception_handler(SandboxError, _gateway_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_error_handler)

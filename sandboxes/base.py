@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import enum
 import posixpath
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -170,7 +171,7 @@ class SandboxBackend(Protocol):
     async def remove_image(self, image: str) -> None:
         """Forget ``image`` (idempotent)."""
 
-    async def list_images(self, repository: str) -> list[ImageInfo]:
+    async def list_images(self, repository: str) -> builtins.list[ImageInfo]:
         """Return the images of ``repository`` (e.g. ``forkyard/env``), oldest first."""
 
     async def image_digest(self, image: str) -> str:
@@ -183,13 +184,13 @@ class SandboxBackend(Protocol):
     async def snapshot(self, sandbox_id: str, *, metadata: Mapping[str, str] | None = None) -> Snapshot:
         """Capture the sandbox's filesystem, cwd and exports (not its background processes)."""
 
-    async def restore(self, snapshot: Snapshot, n: int = 1, *, spec: SandboxSpec | None = None) -> list[SandboxInfo]:
+    async def restore(self, snapshot: Snapshot, n: int = 1, *, spec: SandboxSpec | None = None) -> builtins.list[SandboxInfo]:
         """Start ``n`` independent sandboxes from ``snapshot``."""
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Forget the snapshot and free its storage once nothing uses it (idempotent)."""
 
-    async def list_snapshots(self) -> list[Snapshot]:
+    async def list_snapshots(self) -> builtins.list[Snapshot]:
         """Return the snapshots this backend holds on this node."""
 
     async def aclose(self) -> None:

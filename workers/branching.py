@@ -31,13 +31,17 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
+from workers import protocol
+from workers.errors import WorkerError
+from workers.protocol import MAX_TREE_EPISODES
+
 if TYPE_CHECKING:
     from workers.runner import EpisodeResult, StepRecord
 
 logger = logging.getLogger(__name__)
 
-#: Most episodes one tree may hold.
-MAX_TREE_EPISODES = 1024
 
 
 @dataclass(frozen=True)
@@ -54,17 +58,21 @@ class BranchingSpec:
     min_entropy: float = 0.0
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> BranchingSpec:
-        """Build a spec from the stored ``branching`` dict (already validated by the gateway schema)."""
-        adaptive = data.get("adaptive")
-        if adaptive:  # its fanout lives inside it; a top-level one would be the at_turns default
-            return cls(fanout=int(adaptive.get("fanout") or 2), adaptive=True, budget=int(adaptive["budget"]),
-                       min_entropy=float(adaptive["min_entropy"]))
-        fanout = int(data.get("fanout") or 2)
-        at_turns = tuple(int(t) for t in data.get("at_turns") or ())
-        full = fanout ** len(at_turns)
-        max_episodes = int(data.get("max_episodes") or min(full, MAX_TREE_EPISODES))
-        return cls(at_turns=at_turns, fanout=fanout, max_episodes=max_episodes)
+    def from_dict(cls, data: Mapping[str, Any] | protocol.BranchingSpec) -> BranchingSpec:
+        """Build a spec from a rollout's ``branching`` (its stored dict, or the wire spec itself).
+
+        Raises:
+            WorkerError: the dict is not a valid :class:`~workers.protocol.BranchingSpec`.
+        """
+        try:
+            spec = data if isinstance(data, protocol.BranchingSpec) else protocol.BranchingSpec.from_stored(data)
+        except ValidationError as exc:
+            raise WorkerError(protocol.describe(exc, "branching")) from exc
+        if spec.adaptive is not None:  # its fanout lives inside it; a top-level one would be the at_turns default
+            return cls(fanout=spec.adaptive.fanout, adaptive=True, budget=spec.adaptive.budget,
+                       min_entropy=spec.adaptive.min_entropy)
+        assert spec.at_turns is not None
+        return cls(at_turns=tuple(spec.at_turns), fanout=spec.fanout, max_episodes=spec.tree_episodes)
 
     @property
     def max_tree_episodes(self) -> int:

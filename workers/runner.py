@@ -25,9 +25,11 @@ import asyncio
 import copy
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from sandboxes.base import LABEL_OWNER
 from sandboxes.errors import SandboxError
@@ -36,6 +38,7 @@ from workers.envs.registry import family_of
 from workers.errors import ActionError, ImageBuildError, WorkerError
 from workers.policy.base import Generation, PolicyClient, PolicyError, Sampling
 from workers.policy.toolcalls import ToolCallParseError, parse_tool_calls
+from workers.protocol import AgentSpec, LimitsSpec, describe
 
 if TYPE_CHECKING:
     from workers.branching import Tree
@@ -109,16 +112,24 @@ class AgentSettings:
     step_timeout_s: float = 60.0
 
     @classmethod
-    def from_spec(cls, agent: dict[str, Any] | None, limits: dict[str, Any] | None) -> AgentSettings:
-        """Build settings from the rollout spec's ``agent`` and ``limits`` dicts."""
-        agent, limits = agent or {}, limits or {}
-        return cls(
-            max_turns=int(agent.get("max_turns", 20)),
-            system_prompt=agent.get("system_prompt"),
-            tool_call_format=agent.get("tool_call_format", "hermes"),
-            episode_timeout_s=float(limits.get("episode_timeout_s", 600.0)),
-            step_timeout_s=float(limits.get("step_timeout_s", 60.0)),
-        )
+    def from_spec(
+        cls, agent: Mapping[str, Any] | AgentSpec | None, limits: Mapping[str, Any] | LimitsSpec | None
+    ) -> AgentSettings:
+        """Build settings from a rollout's ``agent`` and ``limits`` (their stored dicts, or the specs).
+
+        Raises:
+            WorkerError: a dict is not a valid :class:`~workers.protocol.AgentSpec` / ``LimitsSpec``.
+        """
+        try:
+            a = agent if isinstance(agent, AgentSpec) else AgentSpec.from_stored(agent)
+        except ValidationError as exc:
+            raise WorkerError(describe(exc, "agent")) from exc
+        try:
+            lim = limits if isinstance(limits, LimitsSpec) else LimitsSpec.from_stored(limits)
+        except ValidationError as exc:
+            raise WorkerError(describe(exc, "limits")) from exc
+        return cls(max_turns=a.max_turns, system_prompt=a.system_prompt, tool_call_format=a.tool_call_format,
+                   episode_timeout_s=lim.episode_timeout_s, step_timeout_s=lim.step_timeout_s)
 
 
 class _Episode:
@@ -488,7 +499,7 @@ async def _agent_loop(
                 ),
                 budget,
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise PolicyError(f"no answer from the policy within {budget:.3g}s (turn {turn})") from None
         policy_s = time.monotonic() - t
         if tree is not None:

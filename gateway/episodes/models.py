@@ -23,7 +23,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from gateway.db import Base, utcnow
-from gateway.rollouts.models import EpisodeStatus, Termination, enum_column
+from gateway.rollouts.models import enum_column
+from workers.protocol import EpisodeStatus, Termination
 
 #: A 64-bit autoincrementing key (SQLite only autoincrements an INTEGER PRIMARY KEY).
 BigIntKey = BigInteger().with_variant(Integer(), "sqlite")

@@ -15,7 +15,7 @@ from gateway.episodes.schemas import (
     StepRead,
 )
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
-from gateway.rollouts.models import EpisodeStatus
+from workers.protocol import EpisodeStatus
 
 router = APIRouter(prefix="/episodes", tags=["episodes"])
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from gateway.rollouts.models import EpisodeStatus, Termination
+from workers.protocol import EpisodeStatus, Termination
 
 
 class EpisodeRead(BaseModel):

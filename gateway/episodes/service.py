@@ -36,13 +36,12 @@ from gateway.rollouts.models import (
     FINAL_ROLLOUT_STATUSES,
     USABLE_EPISODE_STATUSES,
     EpisodeGroup,
-    EpisodeStatus,
     GroupMode,
     Rollout,
     RolloutStatus,
     StalenessAction,
-    Termination,
 )
+from workers.protocol import EpisodeStatus, Termination
 
 logger = logging.getLogger(__name__)
 

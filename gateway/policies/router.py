@@ -9,7 +9,8 @@ from fastapi import APIRouter
 from gateway.dependencies import DbSession
 from gateway.errors import InvalidRequestError
 from gateway.policies import service
-from gateway.policies.schemas import POLICY_NAME_PATTERN, PolicyRead, PolicyVersionSet
+from gateway.policies.schemas import PolicyRead, PolicyVersionSet
+from workers.protocol import POLICY_NAME_PATTERN
 
 router = APIRouter(prefix="/policies", tags=["policies"])
 

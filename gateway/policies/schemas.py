@@ -6,9 +6,6 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-#: What a policy name may hold (model names such as ``Qwen/Qwen3-8B`` included).
-POLICY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$"
-
 
 class PolicyVersionSet(BaseModel):
     """Announce the weight version the trainer now serves."""

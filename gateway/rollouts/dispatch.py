@@ -21,6 +21,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.environments.models import Environment
@@ -28,7 +29,6 @@ from gateway.episodes import service as episodes_service
 from gateway.logs import register_secret
 from gateway.policies import service as policies_service
 from gateway.rollouts import service as rollouts_service
-from gateway.rollouts.models import EpisodeStatus
 from gateway.tasks import service as tasks_service
 from gateway.tasks.models import Task
 from sandboxes.base import LABEL_OWNER
@@ -37,6 +37,7 @@ from workers.envs.registry import family_of
 from workers.errors import WorkerError
 from workers.policy import create_policy_client
 from workers.policy.base import PolicyClient, Sampling
+from workers.protocol import EpisodeStatus, PolicySpec, describe
 from workers.runner import (
     AgentSettings,
     EpisodeResult,
@@ -338,7 +339,8 @@ class _Plan:
 
     def __init__(
         self,
-        spec: dict[str, Any],
+        spec: PolicySpec,
+        api_key: str | None,
         settings: AgentSettings,
         sampling: Sampling,
         tokenizer: ChatTokenizer | None,
@@ -347,6 +349,7 @@ class _Plan:
         lazy_fork: bool = False,
     ) -> None:
         self.spec = spec
+        self.api_key = api_key
         self.settings = settings
         self.sampling = sampling
         self.tokenizer = tokenizer
@@ -361,17 +364,19 @@ class _Plan:
     @classmethod
     async def load(cls, rollout: Rollout) -> _Plan:
         """Build the plan, loading the tokenizer off the event loop; raise WorkerError if it cannot run."""
-        spec = dict(rollout.policy)
+        try:
+            spec = PolicySpec.from_stored(rollout.policy)
+        except ValidationError as exc:
+            raise WorkerError(describe(exc, "policy")) from exc
         if rollout.policy_api_key:
             register_secret(rollout.policy_api_key)
-            spec["api_key"] = rollout.policy_api_key
         settings = AgentSettings.from_spec(rollout.agent, rollout.limits)
-        sampling = Sampling.from_dict(spec.get("sampling") or {})
+        sampling = Sampling.from_dict(spec.sampling)
         tokenizer = None
-        if spec.get("api") == "tokens":
+        if spec.api == "tokens":
             from workers.policy.chat_template import load_chat_tokenizer
 
-            source = spec.get("tokenizer") or spec.get("model")
+            source = spec.tokenizer or spec.model
             try:
                 tokenizer = await asyncio.to_thread(load_chat_tokenizer, source)
             except WorkerError:
@@ -379,17 +384,20 @@ class _Plan:
             except Exception as exc:  # transformers raises OSError/ValueError for a bad path
                 raise WorkerError(f"cannot load the tokenizer {source!r}: {exc}") from exc
         shared = None
-        if spec.get("api") != "scripted" or spec.get("actions"):
-            shared = create_policy_client(spec, tokenizer=tokenizer, tool_call_format=settings.tool_call_format)
+        if spec.api != "scripted" or spec.actions:
+            shared = create_policy_client(spec, tokenizer=tokenizer, tool_call_format=settings.tool_call_format,
+                                          api_key=rollout.policy_api_key)
         branching = BranchingSpec.from_dict(rollout.branching) if rollout.branching else None
-        return cls(spec, settings, sampling, tokenizer, shared, branching, bool(rollout.lazy_fork))
+        return cls(spec, rollout.policy_api_key, settings, sampling, tokenizer, shared, branching,
+                   bool(rollout.lazy_fork))
 
     def policy_for(self, task: EnvTask) -> PolicyClient:
         """Return the client for an episode of ``task`` (a fresh one for oracle replays)."""
         if self.shared_policy is not None:
             return self.shared_policy
         return create_policy_client(
-            self.spec, task=task, tokenizer=self.tokenizer, tool_call_format=self.settings.tool_call_format
+            self.spec, task=task, tokenizer=self.tokenizer, tool_call_format=self.settings.tool_call_format,
+            api_key=self.api_key,
         )
 
     async def aclose(self) -> None:

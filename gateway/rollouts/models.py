@@ -19,6 +19,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from gateway.db import Base, utcnow
+from workers.protocol import EpisodeStatus
 
 
 class RolloutStatus(str, enum.Enum):
@@ -31,21 +32,6 @@ class RolloutStatus(str, enum.Enum):
     FAILED = "failed"
 
 
-class EpisodeStatus(str, enum.Enum):
-    """Lifecycle of an episode: queued -> running -> completed | truncated | failed | stale."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    COMPLETED = "completed"
-    """The agent submitted and the verifier gave a reward (which may be 0)."""
-    TRUNCATED = "truncated"
-    """Max turns or a timeout ended the agent; the verifier still ran."""
-    FAILED = "failed"
-    """An error ended the episode; ``error`` says which."""
-    STALE = "stale"
-    """Its oldest turn was more than ``max_staleness`` versions behind the policy."""
-
-
 #: Episode states that end an attempt.
 FINAL_EPISODE_STATUSES = frozenset({EpisodeStatus.COMPLETED, EpisodeStatus.TRUNCATED, EpisodeStatus.FAILED,
                                     EpisodeStatus.STALE})
@@ -55,17 +41,6 @@ USABLE_EPISODE_STATUSES = frozenset({EpisodeStatus.COMPLETED, EpisodeStatus.TRUN
 ACTIVE_EPISODE_STATUSES = frozenset({EpisodeStatus.QUEUED, EpisodeStatus.RUNNING})
 #: Rollout states in which no new episode starts.
 FINAL_ROLLOUT_STATUSES = frozenset({RolloutStatus.COMPLETED, RolloutStatus.CANCELLED, RolloutStatus.FAILED})
-
-
-class Termination(str, enum.Enum):
-    """Why an episode ended."""
-
-    SUBMITTED = "submitted"
-    MAX_TURNS = "max_turns"
-    TIMEOUT = "timeout"
-    ERROR = "error"
-    STALE = "stale"
-    CANCELLED = "cancelled"
 
 
 class GroupMode(str, enum.Enum):

@@ -298,7 +298,7 @@ async def fork_snapshot(
         if gate is not None and gate.write_behind:  # like a step's record: written behind the answer, in order
             engine = db_session.bind
 
-            async def write(claim: Callable = claim) -> None:
+            async def write(claim: Callable = claim, engine: Any = engine) -> None:
                 async with AsyncSession(engine, expire_on_commit=False) as db:
                     await claim(db_session=db)
 

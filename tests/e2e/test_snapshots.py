@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import subprocess
 
-import forkyard
 import pytest
-from forkyard._base_client import RequestOptions
 
+import forkyard
+from forkyard._base_client import RequestOptions
 from tests.e2e.test_terminal_tasks import TASKS_DIR, oracle_command
 from tests.live import FORKYARD
 

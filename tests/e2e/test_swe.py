@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 
-import forkyard
 import pytest
 
+import forkyard
 from tests.live import FORKYARD, ROOT
 
 EXAMPLES = ROOT / "examples" / "swe"

@@ -9,7 +9,6 @@ import pytest
 
 from gateway.episodes import service as episodes_service
 from gateway.episodes.models import Episode, EpisodeStep
-from gateway.rollouts.models import EpisodeStatus, Termination
 from tests.gateway.conftest import assert_error
 from tests.gateway.rollout_helpers import (
     RecordingDispatcher,
@@ -21,6 +20,7 @@ from tests.gateway.rollout_helpers import (
     play_episode,
     recording_dispatcher,
 )
+from workers.protocol import EpisodeStatus, Termination
 
 
 @pytest.fixture(autouse=True)

@@ -10,10 +10,10 @@ import secrets
 import uuid
 from collections.abc import Iterator
 
-import forkyard
 import httpx
 import pytest
 
+import forkyard
 from tests.live import ROOT, run_gateway
 from tests.policy.conftest import serve_tiny_model
 from tests.policy.vllm_server import VLLMServer

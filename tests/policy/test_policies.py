@@ -106,11 +106,14 @@ def test_pool_moves_episodes_off_a_server_that_is_down():
 
 
 def test_sampling_from_dict():
-    s = Sampling.from_dict({"temperature": 0.7, "top_p": 0.9, "max_tokens": 64, "stop": "###", "seed": 3, "x": 1})
+    # One definition (workers.protocol.SamplingSpec): a stored dict is read by the API's own rules.
+    s = Sampling.from_dict({"temperature": 0.7, "top_p": 0.9, "max_tokens": 64, "stop": ["###"], "seed": 3})
     assert s == Sampling(temperature=0.7, top_p=0.9, max_tokens=64, stop=["###"], seed=3)
     assert Sampling.from_dict(None) == Sampling()
-    for bad in ({"max_tokens": 0}, {"top_p": 0}, {"temperature": -1}, {"seed": "x"}, {"stop": [""]}):
-        with pytest.raises(PolicyError):
+    for bad, where in (({"max_tokens": 0}, "max_tokens"), ({"top_p": 0}, "top_p"), ({"temperature": -1}, "temperature"),
+                       ({"seed": "x"}, "seed"), ({"stop": [""]}, "stop.0"), ({"stop": "###"}, "stop"),
+                       ({"x": 1}, "x")):
+        with pytest.raises(PolicyError, match=rf"^policy\.sampling\.{where}: "):
             Sampling.from_dict(bad)
 
 
@@ -473,9 +476,9 @@ async def test_chat_client_rejects_garbage(fake_server, mode, expected):
 
 
 async def test_create_policy_client(fake_server, tiny_models):
-    chat = create_policy_client({"api": "chat", "base_urls": [fake_server.url("good")], "model": "served"})
+    chat = create_policy_client({"name": "test", "api": "chat", "base_urls": [fake_server.url("good")], "model": "served"})
     tokens = create_policy_client(
-        {"api": "tokens", "base_urls": [fake_server.url("good")], "model": "m", "tokenizer": str(tiny_models.primary)}
+        {"name": "test", "api": "tokens", "base_urls": [fake_server.url("good")], "model": "m", "tokenizer": str(tiny_models.primary)}
     )
     try:
         assert isinstance(chat, ChatPolicy) and chat.api == "chat"
@@ -485,14 +488,15 @@ async def test_create_policy_client(fake_server, tiny_models):
         await chat.aclose()
         await tokens.aclose()
     for spec, expected in [
-        ({"api": "grpc", "base_urls": ["http://a:1"]}, "unknown policy api"),
-        ({"api": "chat", "base_urls": []}, "base_urls"),
-        ({"api": "chat", "base_urls": ["http://a:1"]}, "model"),
-        ({"api": "chat", "base_urls": ["not a url"], "model": "m"}, "not an absolute"),
-        ({"api": "tokens", "base_urls": ["http://a:1"]}, "tokenizer"),
-        ({"api": "tokens", "base_urls": ["http://a:1"], "tokenizer": "/nonexistent/tok"}, "/nonexistent/tok"),
-        ({"api": "scripted"}, "actions or a task"),
-        ({"api": "scripted", "actions": [{"arguments": {}}]}, "tool"),
+        ({"name": "test", "api": "grpc", "base_urls": ["http://a:1"]}, r"policy\.api: Input should be 'tokens', 'chat' or 'scripted'"),
+        ({"name": "test", "api": "chat", "base_urls": []}, "base_urls"),
+        ({"name": "test", "api": "chat", "base_urls": ["http://a:1"]}, "model"),
+        ({"name": "test", "api": "chat", "base_urls": ["not a url"], "model": "m"}, r"policy\.base_urls\.0: .*valid URL"),
+        ({"name": "test", "api": "tokens", "base_urls": ["http://a:1"]}, "model is required for the tokens api"),
+        ({"name": "test", "api": "tokens", "base_urls": ["http://a:1"], "model": "m", "tokenizer": "/nonexistent/tok"},
+         "/nonexistent/tok"),
+        ({"name": "test", "api": "scripted"}, "actions or a task"),
+        ({"name": "test", "api": "scripted", "actions": [{"arguments": {}}]}, "tool"),
     ]:
         with pytest.raises(PolicyError, match=expected):
             create_policy_client(spec)
@@ -509,7 +513,7 @@ def _example_tasks() -> list[Path]:
 async def test_scripted_oracle_replays_the_solution(task_dir):
     task = load_task_dir(task_dir)
     solve = (task_dir / "solution" / "solve.sh").read_text()
-    policy = create_policy_client({"api": "scripted"}, task=task)
+    policy = create_policy_client({"name": "test", "api": "scripted"}, task=task)
     assert policy.api == "scripted"
 
     async def turn(episode: str, done: int) -> list[dict]:
@@ -582,7 +586,7 @@ def test_oracle_command_unpacks_exactly_the_solution_files(tmp_path):
 async def test_scripted_actions_in_json_format_with_token_ids(tiny_models):
     tok = ChatTokenizer(tiny_models.primary)
     actions = [{"tool": "bash", "arguments": {"command": "ls"}}, {"tool": "submit"}]
-    policy = create_policy_client({"api": "scripted", "actions": actions}, tool_call_format="json", tokenizer=tok)
+    policy = create_policy_client({"name": "test", "api": "scripted", "actions": actions}, tool_call_format="json", tokenizer=tok)
     texts = []
     for _ in actions:
         history = MESSAGES + [{"role": "assistant", "content": t} for t in texts]

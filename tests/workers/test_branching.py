@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.rollouts.schemas import BranchingSpec as BranchingRequest
 from workers.branching import BranchingSpec, Tree
+from workers.protocol import BranchingSpec as BranchingRequest
 
 
 def stored(body: dict) -> BranchingSpec:

@@ -196,3 +196,18 @@ def test_a_package_adds_a_family_through_its_entry_point(monkeypatch: pytest.Mon
 
 
 PLUGIN_FAMILY: object = None
+
+
+NOT_A_FAMILY = object()
+
+
+def test_an_entry_point_that_is_not_a_family_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib.metadata import EntryPoint
+
+    from workers.envs import registry
+
+    points = [EntryPoint("broken", f"{__name__}:NOT_A_FAMILY", registry.ENTRY_POINT_GROUP)]
+    monkeypatch.setattr(registry, "entry_points", lambda group: points if group == registry.ENTRY_POINT_GROUP else [])
+    monkeypatch.setattr(registry, "_loaded", {})
+    with pytest.raises(TaskFormatError, match="does not implement the EnvFamily protocol"):
+        get_family("broken")

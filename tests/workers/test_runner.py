@@ -61,7 +61,7 @@ async def run(runtime, policy_spec, *, max_turns=5, **kw):
 
 
 async def test_oracle_completes_with_reward_one(runtime):
-    result, steps = await run(runtime, {"api": "scripted"})
+    result, steps = await run(runtime, {"name": "test", "api": "scripted"})
     assert (result.status, result.termination, result.reward, result.error) == ("completed", "submitted", 1.0, None)
     assert [s.action["tool"] for s in steps] == ["bash", "submit"]
     assert steps == result.steps
@@ -72,7 +72,7 @@ async def test_oracle_completes_with_reward_one(runtime):
 
 async def test_wrong_answer_scores_zero_and_the_episode_says_what_the_verifier_printed(runtime):
     actions = [{"tool": "bash", "arguments": {"command": "echo 0 > /tmp/answer"}}, {"tool": "submit", "arguments": {}}]
-    result, _ = await run(runtime, {"api": "scripted", "actions": actions})
+    result, _ = await run(runtime, {"name": "test", "api": "scripted", "actions": actions})
     assert (result.status, result.reward) == ("completed", 0.0)
     verifier = result.info["verifier"]  # a 0 with no verifier error is explained without a rerun
     assert verifier["timed_out"] is False and isinstance(verifier["exit_code"], int)
@@ -91,20 +91,20 @@ def test_the_verifier_summary_keeps_the_tails():
 
 async def test_max_turns_truncates_and_still_verifies(runtime):
     actions = [{"tool": "bash", "arguments": {"command": "true"}}] * 3
-    result, steps = await run(runtime, {"api": "scripted", "actions": actions}, max_turns=2)
+    result, steps = await run(runtime, {"name": "test", "api": "scripted", "actions": actions}, max_turns=2)
     assert (result.status, result.termination, len(steps)) == ("truncated", "max_turns", 2)
     assert result.reward == 0.0
 
 
 async def test_unknown_tool_is_an_observation_not_a_crash(runtime):
     actions = [{"tool": "rm_rf", "arguments": {}}, {"tool": "submit", "arguments": {}}]
-    result, steps = await run(runtime, {"api": "scripted", "actions": actions})
+    result, steps = await run(runtime, {"name": "test", "api": "scripted", "actions": actions})
     assert "unknown tool" in steps[0].observation
     assert result.status == "completed"
 
 
 async def test_unreachable_server_fails_the_episode_visibly(runtime):
-    spec = {"api": "chat", "base_urls": ["http://127.0.0.1:9"], "model": "m"}
+    spec = {"name": "test", "api": "chat", "base_urls": ["http://127.0.0.1:9"], "model": "m"}
     result, _ = await run(runtime, spec)
     assert result.status == "failed" and result.termination == "error"
     assert "127.0.0.1:9" in result.error
@@ -139,7 +139,7 @@ async def test_a_fork_cancelled_midway_leaves_no_sandbox_and_no_snapshot(runtime
 
     monkeypatch.setattr(runtime.backend, "restore", slow_restore)
     actions = [{"tool": "bash", "arguments": {"command": f"echo {i} >> /tmp/log"}} for i in range(4)]
-    policy = create_policy_client({"api": "scripted", "actions": actions}, task=TASK)
+    policy = create_policy_client({"name": "test", "api": "scripted", "actions": actions}, task=TASK)
     trunk = asyncio.create_task(run_episode(
         episode_id="ep_trunk", task=TASK, runtime=runtime, policy=policy, settings=AgentSettings(max_turns=4),
         sampling=Sampling(), stages=StageLimits(), tree=tree,

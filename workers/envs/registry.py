@@ -18,10 +18,11 @@ from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
+from workers.envs.base import EnvFamily
 from workers.errors import TaskFormatError
 
 if TYPE_CHECKING:
-    from workers.envs.base import EnvFamily, EnvTask
+    from workers.envs.base import EnvTask
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ def get_family(name: str) -> EnvFamily:
         )
     module_name, _, attribute = source.partition(":")
     family = getattr(importlib.import_module(module_name), attribute)
+    if not isinstance(family, EnvFamily):
+        raise TaskFormatError(f"family {source} does not implement the EnvFamily protocol "
+                              "(workers.envs.base)", field="family")
     if family.name != name:
         raise TaskFormatError(f"family {source} calls itself {family.name!r}, registered as {name!r}", field="family")
     _loaded[name] = family

@@ -10,7 +10,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, get_args
+
+from pydantic import ValidationError
 
 from workers.policy.base import (
     DEFAULT_TIMEOUT_S,
@@ -19,73 +22,73 @@ from workers.policy.base import (
     PolicyError,
     Sampling,
 )
+from workers.protocol import PolicySpec, describe
 
 if TYPE_CHECKING:
     from workers.envs.base import EnvTask
     from workers.policy.chat_template import ChatTokenizer
 
-POLICY_APIS = ("tokens", "chat", "scripted")
+#: The policy apis, as the wire type names them.
+POLICY_APIS: tuple[str, ...] = get_args(PolicySpec.model_fields["api"].annotation)
 
 
 def create_policy_client(
-    spec: dict[str, Any],
+    spec: PolicySpec | Mapping[str, Any],
     *,
     task: EnvTask | None = None,
     tokenizer: ChatTokenizer | None = None,
     tool_call_format: str = "hermes",
     timeout_s: float | None = None,
+    api_key: str | None = None,
 ) -> PolicyClient:
-    """Build the client a rollout's ``policy`` dict asks for.
+    """Build the client a rollout's ``policy`` asks for.
 
     Args:
-        spec: ``{"api", "base_urls", "model", "tokenizer"?, "actions"?, "api_key"?, ...}``.
+        spec: the rollout's :class:`~workers.protocol.PolicySpec`, or its stored dict.
         task: the task whose oracle a scripted policy without ``actions`` replays.
         tokenizer: the episode's chat tokenizer (tokens api: decodes sampled ids;
             scripted: gives its turns token ids). The tokens api loads
-            ``spec["tokenizer"]`` (default ``spec["model"]``) when none is given.
+            ``spec.tokenizer`` (default ``spec.model``) when none is given.
         tool_call_format: the agent's format, which scripted turns are written in.
         timeout_s: seconds one request may take (default 120).
+        api_key: the servers' bearer token, when the spec does not carry it (a stored
+            spec never does: the gateway keeps the key apart).
 
     Raises:
-        PolicyError: the spec is incomplete or invalid, or the tokenizer cannot be loaded.
+        PolicyError: the spec is invalid, or the tokenizer cannot be loaded.
     """
-    if not isinstance(spec, dict):
-        raise PolicyError(f"policy spec must be an object, got {type(spec).__name__}")
-    api = spec.get("api", "chat")
-    if api == "scripted":
+    if not isinstance(spec, PolicySpec):
+        if not isinstance(spec, Mapping):
+            raise PolicyError(f"policy spec must be an object, got {type(spec).__name__}")
+        try:
+            spec = PolicySpec.from_stored(spec)
+        except ValidationError as exc:
+            raise PolicyError(describe(exc, "policy")) from exc
+    if spec.api == "scripted":
         from workers.policy.scripted import ScriptedPolicy
 
-        if spec.get("actions"):
-            return ScriptedPolicy(spec["actions"], tool_call_format=tool_call_format, tokenizer=tokenizer)
+        if spec.actions:
+            return ScriptedPolicy(spec.actions, tool_call_format=tool_call_format, tokenizer=tokenizer)
         if task is None:
             raise PolicyError("the scripted policy needs policy.actions or a task whose oracle it replays")
         return ScriptedPolicy.from_task(task, tool_call_format=tool_call_format, tokenizer=tokenizer)
-    if api not in POLICY_APIS:
-        raise PolicyError(f"unknown policy api {api!r}; expected one of {', '.join(POLICY_APIS)}")
 
-    base_urls = spec.get("base_urls")
-    if isinstance(base_urls, str):
-        base_urls = [base_urls]
-    if not base_urls or not isinstance(base_urls, list):
-        raise PolicyError(f"the {api} api needs policy.base_urls (a non-empty list of URLs)")
-    model = spec.get("model") or None
+    base_urls = [str(u).rstrip("/") for u in spec.base_urls]
     common: dict[str, Any] = {
-        "model": model,
-        "api_key": spec.get("api_key") or None,
+        "model": spec.model or None,
+        "api_key": spec.secret_api_key() or api_key or None,
         "timeout_s": float(timeout_s) if timeout_s is not None else DEFAULT_TIMEOUT_S,
     }
-    if api == "chat":
+    if spec.api == "chat":
         from workers.policy.chat import ChatPolicy
 
-        return ChatPolicy(base_urls, tool_choice=spec.get("tool_choice") or None, **common)
+        return ChatPolicy(base_urls, tool_choice=spec.tool_choice, **common)
 
     from workers.policy.chat_template import ChatTemplateError, load_chat_tokenizer
     from workers.policy.tokens import TokensPolicy
 
     if tokenizer is None:
-        source = spec.get("tokenizer") or model
-        if not source:
-            raise PolicyError("the tokens api needs policy.tokenizer (a local tokenizer path) or policy.model")
+        source = spec.tokenizer or spec.model
         try:
             tokenizer = load_chat_tokenizer(str(source))
         except ChatTemplateError as exc:

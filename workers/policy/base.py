@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
+from pydantic import ValidationError
 
 from workers.errors import WorkerError
 from workers.policy.router import ServerPool
+from workers.protocol import SamplingSpec, describe
 
 logger = logging.getLogger(__name__)
 
@@ -53,34 +55,18 @@ class Sampling:
     seed: int | None = None
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> Sampling:
-        """Build from a rollout's ``policy.sampling`` dict; unknown keys are ignored.
+    def from_dict(cls, data: Mapping[str, Any] | SamplingSpec | None) -> Sampling:
+        """Build from a rollout's ``policy.sampling`` (its stored dict, or the spec itself).
 
         Raises:
-            PolicyError: a value has the wrong type or range.
+            PolicyError: the dict is not a valid :class:`~workers.protocol.SamplingSpec`.
         """
-        data = dict(data or {})
         try:
-            temperature = float(data.get("temperature", 1.0))
-            top_p = float(data.get("top_p", 1.0))
-            max_tokens = data.get("max_tokens", 256)
-            seed = data.get("seed")
-            stop = data.get("stop") or []
-        except (TypeError, ValueError) as exc:
-            raise PolicyError(f"invalid sampling settings {data!r}: {exc}") from exc
-        if isinstance(stop, str):
-            stop = [stop]
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise PolicyError(f"sampling temperature must be a number >= 0, got {temperature!r}")
-        if not (math.isfinite(top_p) and 0 < top_p <= 1):
-            raise PolicyError(f"sampling top_p must be in (0, 1], got {top_p!r}")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise PolicyError(f"sampling max_tokens must be an integer >= 1, got {max_tokens!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise PolicyError(f"sampling seed must be an integer or null, got {seed!r}")
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise PolicyError(f"sampling stop must be a list of non-empty strings, got {stop!r}")
-        return cls(temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop=list(stop), seed=seed)
+            spec = data if isinstance(data, SamplingSpec) else SamplingSpec.from_stored(data)
+        except ValidationError as exc:
+            raise PolicyError(describe(exc, "policy.sampling")) from exc
+        return cls(temperature=spec.temperature, top_p=spec.top_p, max_tokens=spec.max_tokens, stop=list(spec.stop),
+                   seed=spec.seed)
 
     def seed_for(self, episode_id: str, messages: Sequence[Mapping[str, Any]]) -> int | None:
         """Return the seed of one call: derived from the rollout's seed, the episode and its turn.

@@ -1,0 +1,206 @@
+"""The wire types between the gateway and the data plane: one definition of each.
+
+What a rollout asks of its episodes (policy, sampling, agent, limits, branching) and the
+statuses an episode reports are defined here, once. The gateway's request schemas use
+these models as they are (so the API validates exactly what a worker will run), the
+gateway stores them as their JSON dumps, and the workers parse those dumps back with the
+same models (:meth:`PolicySpec.from_stored` and friends), so nothing is parsed by hand
+twice and the two sides cannot drift.
+
+This module imports pydantic and the standard library only: never FastAPI, SQLAlchemy or
+anything of the gateway (the layering contract in pyproject.toml checks it), so the same
+types serve the in-process executor and a worker on another host.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+#: What a policy name (the key weight versions are announced under) may hold.
+POLICY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$"
+#: Most episodes one trajectory tree may hold.
+MAX_TREE_EPISODES = 1024
+
+
+class EpisodeStatus(str, enum.Enum):
+    """Lifecycle of an episode: queued -> running -> completed | truncated | failed | stale."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    """The agent submitted and the verifier gave a reward (which may be 0)."""
+    TRUNCATED = "truncated"
+    """Max turns or a timeout ended the agent; the verifier still ran."""
+    FAILED = "failed"
+    """An error ended the episode; ``error`` says which."""
+    STALE = "stale"
+    """Its oldest turn was more than ``max_staleness`` versions behind the policy."""
+
+
+class Termination(str, enum.Enum):
+    """Why an episode ended."""
+
+    SUBMITTED = "submitted"
+    MAX_TURNS = "max_turns"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    STALE = "stale"
+    CANCELLED = "cancelled"
+
+
+class _Stored(BaseModel):
+    """A spec the gateway stores as its JSON dump and a worker reads back."""
+
+    @classmethod
+    def from_stored(cls, data: Mapping[str, Any] | None) -> Self:
+        """Parse a stored dump (None or ``{}``: the defaults); raise pydantic's ValidationError if it is not one."""
+        return cls.model_validate(dict(data or {}))
+
+
+class SamplingSpec(_Stored):
+    """Sampling parameters of every LLM call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=256, ge=1, le=1_000_000)
+    stop: list[Annotated[str, Field(min_length=1, max_length=1000)]] = Field(default_factory=list, max_length=16)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+
+
+class PolicySpec(_Stored):
+    """The policy the episodes sample from: its name (for versions), servers, model and API."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=POLICY_NAME_PATTERN, description="Name weight versions are announced under.")
+    base_urls: list[AnyHttpUrl] = Field(default_factory=list, max_length=256)
+    model: str = Field(default="", max_length=500)
+    api: Literal["tokens", "chat", "scripted"]
+    tokenizer: str | None = Field(default=None, max_length=1000,
+                                  description="Local tokenizer path for the tokens api; default: the model.")
+    actions: list[dict[str, Any]] | None = Field(default=None, max_length=10_000,
+                                                 description="Scripted actions; default: the task's oracle.")
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    api_key: SecretStr | None = Field(
+        default=None, min_length=1, max_length=4096,
+        description="Bearer token the inference servers require (vLLM --api-key). Kept as a secret: "
+                    "never returned by any GET, redacted in logs.",
+    )  # fmt: skip
+    tool_choice: Literal["auto", "none", "required"] | None = Field(
+        default=None,
+        description="chat api: the tool_choice of every request; default auto (none, from then on, "
+                    "when a server has no tool parser).",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _servers(self) -> PolicySpec:
+        if self.api in ("tokens", "chat"):
+            if not self.base_urls:
+                raise ValueError(f"base_urls must list at least one inference server for the {self.api} api")
+            if not self.model:
+                raise ValueError(f"model is required for the {self.api} api")
+        if self.tool_choice is not None and self.api != "chat":
+            raise ValueError(f"tool_choice applies to the chat api only, not {self.api}")
+        return self
+
+    def secret_api_key(self) -> str | None:
+        """Return the API key in clear (for the rollout's secret column), or None."""
+        return self.api_key.get_secret_value() if self.api_key is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the spec as the plain dict stored on the rollout, without its API key.
+
+        URLs are strings without a trailing slash; the key is stored apart
+        (:attr:`Rollout.policy_api_key`) so that nothing returning the policy can show it.
+        """
+        data = self.model_dump(mode="json", exclude={"api_key"})
+        data["base_urls"] = [str(u).rstrip("/") for u in self.base_urls]
+        return data
+
+
+class AgentSpec(_Stored):
+    """How the agent runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_turns: int = Field(default=20, ge=1, le=1000)
+    system_prompt: str | None = Field(default=None, max_length=100_000)
+    tool_call_format: Literal["hermes", "json"] = "hermes"
+
+
+class LimitsSpec(_Stored):
+    """Time limits of one episode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    episode_timeout_s: float = Field(default=600.0, gt=0, le=86_400)
+    step_timeout_s: float = Field(default=60.0, gt=0, le=86_400)
+
+
+class AdaptiveBranchingSpec(BaseModel):
+    """Branch where the policy was least certain, spending at most ``budget`` extra episodes per tree."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    budget: int = Field(ge=1, le=MAX_TREE_EPISODES - 1, description="Most extra episodes (branches) per tree.")
+    min_entropy: float = Field(ge=0.0, le=100.0, description="Re-sample a turn whose mean negative logprob per "
+                               "sampled token (an entropy estimate) reaches this.")
+    fanout: int = Field(default=2, ge=2, le=64, description="Branches per branch point, the original included.")
+
+
+class BranchingSpec(_Stored):
+    """Trajectory trees: fork each sample's episode at fixed turns, or adaptively."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    at_turns: list[Annotated[int, Field(ge=0, le=1000)]] | None = Field(default=None, min_length=1, max_length=16,
+                                       description="Fork at the start of these turns (0-based, increasing).")
+    fanout: int = Field(default=2, ge=2, le=64, description="Branches per branch point, the original included.")
+    max_episodes: int | None = Field(default=None, ge=2, le=MAX_TREE_EPISODES,
+                                     description="Most episodes (leaves) per tree; default fanout ** len(at_turns).")
+    adaptive: AdaptiveBranchingSpec | None = None
+
+    @model_validator(mode="after")
+    def _one_way(self) -> BranchingSpec:
+        if (self.at_turns is None) == (self.adaptive is None):
+            raise ValueError("give either at_turns (with fanout) or adaptive {budget, min_entropy}")
+        if self.adaptive is not None:
+            if "fanout" in self.model_fields_set or self.max_episodes is not None:
+                raise ValueError("with adaptive branching, give fanout inside adaptive and no max_episodes")
+            return self
+        assert self.at_turns is not None
+        if any(t < 0 for t in self.at_turns) or any(b <= a for a, b in zip(self.at_turns, self.at_turns[1:])):
+            raise ValueError("at_turns must be non-negative and strictly increasing")
+        if self.max_episodes is None and self.fanout ** len(self.at_turns) > MAX_TREE_EPISODES:
+            raise ValueError(f"fanout ** len(at_turns) is more than {MAX_TREE_EPISODES} episodes per tree; "
+                             "set max_episodes")
+        return self
+
+    def stored(self) -> dict[str, Any]:
+        """The dict stored on the rollout (and echoed back): only the fields of the chosen way."""
+        return self.model_dump(mode="json", exclude_none=True, exclude={"fanout"} if self.adaptive else None)
+
+    @property
+    def tree_episodes(self) -> int:
+        """Most episodes one tree can hold."""
+        if self.adaptive is not None:
+            return 1 + self.adaptive.budget
+        assert self.at_turns is not None
+        return self.max_episodes or self.fanout ** len(self.at_turns)
+
+
+def describe(exc: ValidationError, what: str) -> str:
+    """One sentence naming the first invalid field of ``what`` (and how many more there are)."""
+    errors = exc.errors()
+    if not errors:
+        return f"invalid {what}"
+    first = errors[0]
+    where = ".".join(str(p) for p in (what, *first.get("loc", ())))
+    text = f"{where}: {str(first.get('msg', 'is invalid')).rstrip('.')}"
+    return text + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
