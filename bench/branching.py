@@ -226,6 +226,7 @@ async def bench_tree(kind: str, root: Path, *, prefix: int, suffix: int, fanout:
     from workers.envs.terminal.task import load_task_dir
     from workers.policy.base import Sampling
     from workers.policy.scripted import ScriptedPolicy
+    from workers.reporting import MemoryReporter
     from workers.runner import AgentSettings, StageLimits, run_episode
     from workers.runtime import WorkerRuntime
 
@@ -245,24 +246,14 @@ async def bench_tree(kind: str, root: Path, *, prefix: int, suffix: int, fanout:
                                      settings=settings, sampling=Sampling(), stages=stages, tree=tree)
 
         for _ in range(reps + 1):  # the first one warms up
-            results = []
-
-            async def spawn(parent: str, turn: int, n: int) -> list[str]:
-                return [f"{parent}.{turn}.{i}" for i in range(n)]
-
-            async def on_step(_eid: str, _step: object) -> None:
-                return None
-
-            async def on_finish(_eid: str, result: object, results: list = results) -> None:
-                results.append(result)
-
+            reporter = MemoryReporter()
             spec = BranchingSpec.from_dict({"at_turns": [prefix], "fanout": fanout})
-            tree = Tree(spec, root_episode_id="trunk", spawn=spawn, on_step=on_step, on_finish=on_finish,
-                        delete_snapshot=runtime.delete_snapshot)
+            tree = Tree(spec, root_episode_id="trunk", reporter=reporter, delete_snapshot=runtime.delete_snapshot)
             before = runtime.counters["env_steps"]
             t = time.perf_counter()
-            results.append(await episode("trunk", tree))
+            trunk = await episode("trunk", tree)
             await tree.join()
+            results = [trunk, *reporter.results.values()]
             tree_s = time.perf_counter() - t
             tree_steps = runtime.counters["env_steps"] - before
             assert len(results) == fanout and all(r.status == "completed" for r in results), results

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -41,6 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,16 +73,28 @@ def ms(values: list[float]) -> float:
     return statistics.median(values) * 1000 if values else float("nan")
 
 
+@contextlib.asynccontextmanager
+async def _runtime(kind: str, root: Path, name: str) -> AsyncIterator[tuple[WorkerRuntime, SetupCache]]:
+    """A runtime with a setup cache on a fresh node of ``kind``; every sandbox and cache entry gone after."""
+    backend = create_backend(kind, node=f"{name}-{uuid.uuid4().hex[:6]}", root_dir=root / name)
+    try:
+        base = await ensure_base_image(backend, DEFAULT_IMAGE_CACHE)
+        cache = SetupCache(backend, root / name / "setup-cache")
+        yield WorkerRuntime(backend, image_cache_dir=DEFAULT_IMAGE_CACHE, base_image=base, setup_cache=cache), cache
+        await cache.clear()
+    finally:
+        for info in await backend.list():
+            await backend.destroy(info.id)
+        await backend.aclose()
+
+
 async def bench_backend(kind: str, tasks: list[SWETask], root: Path, steps: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {k: [] for k in (
         "env build (cold)", "reset (cold)", "reset (cached)", "grading", "bash", "editor",
         "step 1-20", "step 101-120", "oracle rollout")}
-    backend = create_backend(kind, node=f"bench-swe-{uuid.uuid4().hex[:6]}", root_dir=root / kind)
     owner = {LABEL_OWNER: "bench-swe"}
-    try:
-        base = await ensure_base_image(backend, DEFAULT_IMAGE_CACHE)
-        cache = SetupCache(backend, root / kind / "setup-cache")
-        runtime = WorkerRuntime(backend, image_cache_dir=DEFAULT_IMAGE_CACHE, base_image=base, setup_cache=cache)
+    async with _runtime(kind, root, f"bench-swe-{kind}") as (runtime, cache):
+        backend = runtime.backend
         # Cold environment builds: the install commands made unique, so no image of this run exists yet.
         nonce = uuid.uuid4().hex[:8]
         built: dict[str, str] = {}
@@ -149,11 +163,6 @@ async def bench_backend(kind: str, tasks: list[SWETask], root: Path, steps: int)
         out["oracle rollout"] = [len(tasks) / elapsed * 60]
         for image in built.values():
             await backend.remove_image(image)
-        await cache.clear()
-    finally:
-        for info in await backend.list():
-            await backend.destroy(info.id)
-        await backend.aclose()
     return out
 
 
@@ -162,12 +171,8 @@ async def bench_scale(kind: str, store: RepoStore, sizes: list[int], root: Path,
     from workers.envs.swe.repos import commit_directory, head_commit
 
     out: dict[int, dict] = {}
-    backend = create_backend(kind, node=f"bench-swe-scale-{uuid.uuid4().hex[:6]}", root_dir=root / f"scale-{kind}")
     owner = {LABEL_OWNER: "bench-swe-scale"}
-    try:
-        base = await ensure_base_image(backend, DEFAULT_IMAGE_CACHE)
-        cache = SetupCache(backend, root / f"scale-{kind}" / "setup-cache")
-        runtime = WorkerRuntime(backend, image_cache_dir=DEFAULT_IMAGE_CACHE, base_image=base, setup_cache=cache)
+    async with _runtime(kind, root, f"bench-swe-scale-{kind}") as (runtime, cache):
         for n in sizes:
             repo = f"bench/scale{n}"
             if not store.has(repo):
@@ -193,11 +198,6 @@ async def bench_scale(kind: str, store: RepoStore, sizes: list[int], root: Path,
                     times.append(time.perf_counter() - t0)
                     await env.close()
             out[n] = {"reset (cold)": cold, "reset (cached)": cached}
-        await cache.clear()
-    finally:
-        for info in await backend.list():
-            await backend.destroy(info.id)
-        await backend.aclose()
     return out
 
 

@@ -28,6 +28,8 @@ from gateway.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
 from gateway.openapi import declare_error_responses
 from gateway.policies.router import router as policies_router
 from gateway.rollouts.dispatch import Dispatcher
+from gateway.rollouts.executor import Executor
+from gateway.rollouts.reporting import PolicyStates
 from gateway.rollouts.router import router as rollouts_router
 from gateway.sandboxes.router import router as sandboxes_router
 from gateway.sessions import service as sessions_service
@@ -103,8 +105,9 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
         app.state.engine = engine
         app.state.sessionmaker = sessionmaker
         app.state.runtime = None
+        app.state.policy_states = policy_states = PolicyStates(sessionmaker)
         rt = runtime
-        dispatcher: Dispatcher | None = None
+        executor: Executor | None = None
         ready = False
         try:
             async with sessionmaker() as db_session:
@@ -122,9 +125,10 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
             stages = StageLimits.of(
                 setup=settings.stages.setup, agent=settings.stages.agent, verify=settings.stages.verify
             )
-            dispatcher = Dispatcher(sessionmaker=sessionmaker, runtime=rt, node=settings.node, stages=stages)
-            await dispatcher.start()
-            app.state.dispatcher = dispatcher
+            executor = Dispatcher(sessionmaker=sessionmaker, runtime=rt, node=settings.node, stages=stages,
+                                  policies=policy_states)
+            await executor.start()
+            app.state.executor = executor
             logger.info("gateway ready: node %s, database %s", settings.node, redact_database_url(url))
             ready = True
             yield
@@ -135,9 +139,9 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
         finally:
             app.state.runtime = None
             try:
-                if dispatcher is not None:
+                if executor is not None:
                     # Episodes still running stay `running` in the DB and are requeued at the next start.
-                    await dispatcher.aclose()
+                    await executor.aclose()
                 gate = getattr(app.state, "step_gate", None)
                 if gate is not None:
                     await gate.settle()  # the step records still being written

@@ -38,7 +38,7 @@ from workers.errors import WorkerError
 from workers.protocol import MAX_TREE_EPISODES
 
 if TYPE_CHECKING:
-    from workers.runner import EpisodeResult, StepRecord
+    from workers.protocol import EpisodeReporter
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +86,6 @@ def turn_uncertainty(logprobs: Sequence[float | None] | None) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-#: Creates ``n`` branch episodes of ``parent`` forked at ``turn``; returns their ids.
-SpawnFn = Callable[[str, int, int], Awaitable[list[str]]]
-#: Stores a branch's step as soon as it is complete.
-StepFn = Callable[[str, "StepRecord"], Awaitable[None]]
-#: Stores how a branch ended.
-FinishFn = Callable[[str, "EpisodeResult"], Awaitable[None]]
-
-
 class Tree:
     """One trajectory tree being run: its budget, its branch tasks and the snapshots it holds."""
 
@@ -102,16 +94,13 @@ class Tree:
         spec: BranchingSpec,
         *,
         root_episode_id: str,
-        spawn: SpawnFn,
-        on_step: StepFn,
-        on_finish: FinishFn,
+        reporter: EpisodeReporter,
         delete_snapshot: Callable[[str], Awaitable[None]],
     ) -> None:
         self.spec = spec
         self.root_episode_id = root_episode_id
-        self.spawn = spawn
-        self.on_step = on_step
-        self.on_finish = on_finish
+        self.reporter = reporter
+        """Where the branches are made (spawn_branches) and report (record_step, finish)."""
         self._delete_snapshot = delete_snapshot
         self.episodes = 1
         self.branch_points: list[dict[str, Any]] = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal, Protocol, Self, runtime_checkable
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
@@ -204,3 +204,77 @@ def describe(exc: ValidationError, what: str) -> str:
     where = ".".join(str(p) for p in (what, *first.get("loc", ())))
     text = f"{where}: {str(first.get('msg', 'is invalid')).rstrip('.')}"
     return text + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
+
+
+class StepRecord(BaseModel):
+    """One policy turn: the exact LLM call, the action it produced and what came back."""
+
+    index: int
+    parent_index: int | None
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    weight_version: int | None
+    finish_reason: str
+    text: str
+    action: dict[str, Any] | None
+    parse_error: str | None
+    observation: str
+    reward: float | None
+    timings: dict[str, float]
+    server: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return the record as plain data (floats as they are: a logprob may be -inf)."""
+        return self.model_dump()
+
+
+class EpisodeResult(BaseModel):
+    """How an episode ended, with everything needed to store and train on it."""
+
+    model_config = ConfigDict(use_enum_values=True)  # status and termination read as plain strings
+
+    status: EpisodeStatus
+    termination: Termination
+    reward: float | None
+    error: str | None
+    steps: list[StepRecord]
+    messages: list[dict[str, Any]]
+    timings: dict[str, float]
+    weight_versions: list[int]
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+class PolicyState(BaseModel):
+    """What an episode needs to know of its policy before each turn."""
+
+    version: int = 0
+    """The weight version the trainer last announced (stamped on turns whose server names none)."""
+    paused: bool = False
+    """Whether the trainer paused dispatch (no new policy call starts while it is)."""
+
+
+@runtime_checkable
+class EpisodeReporter(Protocol):
+    """Where a running episode (and each branch of its tree) reports, and learns its policy's state.
+
+    The gateway's implementation writes to the database; a remote worker's sends the same
+    calls over the wire. ``policy_state`` and ``wait_until_unpaused`` are called before every
+    policy turn of every episode, so they must be cheap: pushed or cached, never a query per
+    call.
+    """
+
+    async def record_step(self, episode_id: str, step: StepRecord) -> None:
+        """Keep one finished turn (live progress: the trainer sees steps as they happen)."""
+
+    async def finish(self, episode_id: str, result: EpisodeResult) -> None:
+        """Keep a branch's result (the trunk's is returned to the executor, which stores it)."""
+
+    async def spawn_branches(self, parent_episode_id: str, turn: int, n: int) -> list[str]:
+        """Create ``n`` branch episodes of ``parent_episode_id`` forked at ``turn``; return their ids."""
+
+    async def policy_state(self) -> PolicyState:
+        """The policy's announced version and pause flag, at most moments old."""
+
+    async def wait_until_unpaused(self) -> None:
+        """Return once the policy is not paused."""

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -38,7 +39,7 @@ from workers.envs.registry import family_of
 from workers.errors import ActionError, ImageBuildError, WorkerError
 from workers.policy.base import Generation, PolicyClient, PolicyError, Sampling
 from workers.policy.toolcalls import ToolCallParseError, parse_tool_calls
-from workers.protocol import AgentSpec, LimitsSpec, describe
+from workers.protocol import AgentSpec, EpisodeReporter, EpisodeResult, LimitsSpec, StepRecord, describe
 
 if TYPE_CHECKING:
     from workers.branching import Tree
@@ -60,45 +61,6 @@ class StageLimits:
     def of(cls, *, setup: int, agent: int, verify: int) -> StageLimits:
         """Build limits from three counts."""
         return cls(asyncio.Semaphore(setup), asyncio.Semaphore(agent), asyncio.Semaphore(verify))
-
-
-@dataclass
-class StepRecord:
-    """One policy turn: the exact LLM call, the action it produced and what came back."""
-
-    index: int
-    parent_index: int | None
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    weight_version: int | None
-    finish_reason: str
-    text: str
-    action: dict[str, Any] | None
-    parse_error: str | None
-    observation: str
-    reward: float | None
-    timings: dict[str, float]
-    server: str
-
-    def as_dict(self) -> dict[str, Any]:
-        """Return the record as plain JSON-able data."""
-        return asdict(self)
-
-
-@dataclass
-class EpisodeResult:
-    """How an episode ended, with everything needed to store and train on it."""
-
-    status: str  # completed | truncated | failed | stale
-    termination: str  # submitted | max_turns | timeout | error | stale | cancelled
-    reward: float | None
-    error: str | None
-    steps: list[StepRecord]
-    messages: list[dict[str, Any]]
-    timings: dict[str, float]
-    weight_versions: list[int]
-    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -210,9 +172,8 @@ class _Run:
     settings: AgentSettings
     sampling: Sampling
     stages: StageLimits
-    version_of: Callable[[], Awaitable[int]] | None
-    gate: Callable[[], Awaitable[None]] | None
-    stale_check: Callable[[list[int]], Awaitable[str | None]] | None
+    reporter: EpisodeReporter | None
+    max_staleness: int | None
     labels: dict[str, str]
     tree: Tree | None
 
@@ -247,10 +208,8 @@ async def run_episode(
     sampling: Sampling,
     tokenizer: ChatTokenizer | None = None,
     stages: StageLimits | None = None,
-    version_of: Callable[[], Awaitable[int]] | None = None,
-    gate: Callable[[], Awaitable[None]] | None = None,
-    on_step: Callable[[StepRecord], Awaitable[None]] | None = None,
-    stale_check: Callable[[list[int]], Awaitable[str | None]] | None = None,
+    reporter: EpisodeReporter | None = None,
+    max_staleness: int | None = None,
     labels: dict[str, str] | None = None,
     env_version: str = "",
     tree: Tree | None = None,
@@ -259,13 +218,13 @@ async def run_episode(
     """Run one episode of ``task`` with ``policy`` to the end; never raises for episode failures.
 
     Args:
-        version_of: the policy's announced weight version, stamped on turns whose
-            server reports none.
-        gate: awaited before every policy call (blocks while the trainer paused dispatch).
-        on_step: called with each step as soon as it is complete (for live progress).
-        stale_check: given the versions of the turns so far, before each further policy
-            call; a reason string stops the episode as ``stale`` (the rollout's
-            max_staleness enforced at dispatch, not only at delivery).
+        reporter: where each step goes as soon as it is complete (live progress), and
+            the policy's state before every turn: a pause blocks the next policy call,
+            the announced version is stamped on turns whose server reports none. The
+            tree's branches report through the tree's reporter.
+        max_staleness: most versions the episode's oldest turn may lag the announced
+            one before a further policy call; past it the episode stops as ``stale``
+            (the rollout's max_staleness enforced at dispatch, not only at delivery).
         env_version: the environment's name and version (part of the setup cache key).
         tree: run the episode as the trunk of this trajectory tree; its branches report
             through the tree's callbacks and the caller awaits ``tree.join()``.
@@ -274,7 +233,7 @@ async def run_episode(
     """
     family = family_of(task)
     run = _Run(task=task, runtime=runtime, policy=policy, settings=settings, sampling=sampling,
-               stages=stages or StageLimits(), version_of=version_of, gate=gate, stale_check=stale_check,
+               stages=stages or StageLimits(), reporter=reporter, max_staleness=max_staleness,
                labels=dict(labels or {}), tree=tree)
     state = _Episode(tokenizer, openai_tools(family.tools))
 
@@ -296,6 +255,7 @@ async def run_episode(
                      {"role": "user", "content": instruction}])
         return env
 
+    on_step = None if reporter is None else functools.partial(reporter.record_step, episode_id)
     return await _drive(run, episode_id, state, open_env, start_turn=0, forked_at=None, on_step=on_step,
                         started=state.started)
 
@@ -392,13 +352,13 @@ async def _fork(run: _Run, parent_id: str, env: Any, state: _Episode, turn: int,
     ids: list[str] = []
     try:
         snap = await _snapshot_for(tree, env, turn)
-        ids = await tree.spawn(parent_id, turn, n)
+        ids = await tree.reporter.spawn_branches(parent_id, turn, n)
         envs = await run.runtime.restore_envs(snap, run.task, [run.labels_for(i) for i in ids])
     except Exception as exc:
         logger.warning("episode %s: fork at turn %d failed: %s", parent_id, turn, exc)
         tree.refund(n - len(ids))
         for branch_id in ids:
-            await tree.on_finish(branch_id, _failed_branch(state, f"the fork at turn {turn} failed: {exc}"))
+            await tree.reporter.finish(branch_id, _failed_branch(state, f"the fork at turn {turn} failed: {exc}"))
         return
     fork_s = time.monotonic() - t
     tree.branch_points.append({"episode_id": parent_id, "turn": turn, "branches": ids, "fork_s": fork_s, **why})
@@ -413,8 +373,9 @@ async def _fork(run: _Run, parent_id: str, env: Any, state: _Episode, turn: int,
 
         async def branch(branch_id: str = branch_id, opener: Any = opened, branch_state: _Episode = branch_state) -> None:
             result = await _drive(run, branch_id, branch_state, opener, start_turn=turn, forked_at=turn,
-                                  on_step=lambda step: tree.on_step(branch_id, step), started=branch_state.started)
-            await tree.on_finish(branch_id, result)
+                                  on_step=functools.partial(tree.reporter.record_step, branch_id),
+                                  started=branch_state.started)
+            await tree.reporter.finish(branch_id, result)
 
         tree.start(branch(), name=f"branch {branch_id}")
 
@@ -479,12 +440,13 @@ async def _agent_loop(
     for turn in range(start_turn, settings.max_turns):
         if time.monotonic() >= deadline:
             return await finish("timeout", f"episode timeout of {settings.episode_timeout_s:g}s reached")
-        if run.gate is not None:
-            await run.gate()
-        if run.stale_check is not None and state.versions:
-            reason = await run.stale_check(state.versions)
-            if reason is not None:
-                raise _Stale(reason)
+        if run.reporter is not None:
+            await run.reporter.wait_until_unpaused()
+            if run.max_staleness is not None and state.versions:
+                current = (await run.reporter.policy_state()).version
+                if current - min(state.versions) > run.max_staleness:
+                    raise _Stale(f"stopped at dispatch: oldest turn at version {min(state.versions)}, policy at "
+                                 f"{current} (max_staleness {run.max_staleness})")
         # After the pause gate and the stale check: a stale episode does not fork, and no
         # branch sandbox waits out a pause.
         if tree is not None and tree.wants_fork(turn, forked_at=forked_at):
@@ -507,8 +469,8 @@ async def _agent_loop(
             if uncertainty is not None:  # re-sample this turn from before its action runs
                 await _fork(run, episode_id, env, state, turn, why={"reason": "adaptive", "uncertainty": uncertainty})
         version = gen.weight_version
-        if version is None and run.version_of is not None:
-            version = await run.version_of()
+        if version is None and run.reporter is not None:
+            version = (await run.reporter.policy_state()).version
         if version is not None:
             state.versions.append(version)
         prompt_ids, completion_ids, logprobs = state.record_generation(gen)

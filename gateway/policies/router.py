@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from gateway.dependencies import DbSession
 from gateway.errors import InvalidRequestError
@@ -21,23 +21,36 @@ def _checked(name: str) -> str:
     return name
 
 
+def _changed(request: Request, name: str) -> None:
+    """Push the change to this gateway's running episodes (others see it within a refresh)."""
+    states = getattr(request.app.state, "policy_states", None)
+    if states is not None:
+        states.changed(name)
+
+
 # Policy names may hold "/" (e.g. Qwen/Qwen3-8B), hence the path converters.
 @router.post("/{name:path}/version", response_model=PolicyRead)
-async def set_policy_version(name: str, body: PolicyVersionSet, db_session: DbSession):
+async def set_policy_version(name: str, body: PolicyVersionSet, db_session: DbSession, request: Request):
     """Announce the weight version the trainer now serves."""
-    return await service.set_policy_version(db_session=db_session, name=_checked(name), version=body.version)
+    policy = await service.set_policy_version(db_session=db_session, name=_checked(name), version=body.version)
+    _changed(request, name)
+    return policy
 
 
 @router.post("/{name:path}/pause", response_model=PolicyRead)
-async def pause_policy(name: str, db_session: DbSession):
+async def pause_policy(name: str, db_session: DbSession, request: Request):
     """Pause dispatch: running LLM calls finish, no new one starts."""
-    return await service.pause_policy(db_session=db_session, name=_checked(name))
+    policy = await service.pause_policy(db_session=db_session, name=_checked(name))
+    _changed(request, name)
+    return policy
 
 
 @router.post("/{name:path}/resume", response_model=PolicyRead)
-async def resume_policy(name: str, db_session: DbSession):
+async def resume_policy(name: str, db_session: DbSession, request: Request):
     """Resume dispatch."""
-    return await service.resume_policy(db_session=db_session, name=_checked(name))
+    policy = await service.resume_policy(db_session=db_session, name=_checked(name))
+    _changed(request, name)
+    return policy
 
 
 @router.get("/{name:path}", response_model=PolicyRead)

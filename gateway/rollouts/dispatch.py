@@ -27,8 +27,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.environments.models import Environment
 from gateway.episodes import service as episodes_service
 from gateway.logs import register_secret
-from gateway.policies import service as policies_service
 from gateway.rollouts import service as rollouts_service
+from gateway.rollouts.reporting import DatabaseReporter, PolicyStates
 from gateway.tasks import service as tasks_service
 from gateway.tasks.models import Task
 from sandboxes.base import LABEL_OWNER
@@ -40,9 +40,7 @@ from workers.policy.base import PolicyClient, Sampling
 from workers.protocol import EpisodeStatus, PolicySpec, describe
 from workers.runner import (
     AgentSettings,
-    EpisodeResult,
     StageLimits,
-    StepRecord,
     run_episode,
 )
 
@@ -55,9 +53,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: How often a paused policy's gate looks at the database again.
-PAUSE_POLL_S = 0.25
-
 
 class Dispatcher:
     """Run every active rollout's queued episodes on this node's runtime."""
@@ -69,11 +64,14 @@ class Dispatcher:
         runtime: WorkerRuntime,
         node: str,
         stages: StageLimits | None = None,
+        policies: PolicyStates | None = None,
     ) -> None:
         self._sessionmaker = sessionmaker
         self._runtime = runtime
         self._node = node
         self._stages = stages or StageLimits()
+        self.policies = policies or PolicyStates(sessionmaker)
+        """The policies' versions and pause flags, cached for every episode this dispatcher runs."""
         self._rollouts: dict[str, asyncio.Task[None]] = {}
         self._episodes: dict[str, dict[str, asyncio.Task[None]]] = {}
         self._closed = False
@@ -230,68 +228,26 @@ class Dispatcher:
         self, rollout: Rollout, plan: _Plan, episode: Episode, task: EnvTask, env_version: str, *,
         stages: StageLimits | None = None, env_factory: Any = None,
     ) -> None:
-        sm = self._sessionmaker
-
-        async def record(episode_id: str, step: StepRecord) -> None:
-            async with sm() as db:
-                await episodes_service.record_step(db_session=db, episode_id=episode_id, step=step.as_dict())
-
-        async def finish(episode_id: str, result: EpisodeResult) -> None:
-            try:
-                async with sm() as db:
-                    await episodes_service.finish_episode(
-                        db_session=db, episode_id=episode_id, status=result.status, termination=result.termination,
-                        reward=result.reward, error=result.error, messages=result.messages,
-                        timings=result.timings, weight_versions=result.weight_versions, info=result.info,
-                    )
-            except Exception as exc:  # the episode must end somehow, or its group and rollout never do
-                logger.exception("episode %s: storing its result failed", episode_id)
-                await self._fail([episode_id], "error", f"storing the result failed: {type(exc).__name__}: {exc}")
-
-        async def spawn(parent_id: str, turn: int, n: int) -> list[str]:
-            async with sm() as db:
-                return await episodes_service.spawn_branches(
-                    db_session=db, parent_episode_id=parent_id, turn=turn, n=n, node=self._node)
-
-        async def version_of() -> int:
-            async with sm() as db:
-                return await policies_service.current_version(db_session=db, name=rollout.policy_name)
-
-        async def stale_check(versions: list[int]) -> str | None:
-            if rollout.max_staleness is None:
-                return None
-            current = await version_of()
-            if current - min(versions) <= rollout.max_staleness:
-                return None
-            return (f"stopped at dispatch: oldest turn at version {min(versions)}, policy at {current} "
-                    f"(max_staleness {rollout.max_staleness})")
-
-        async def gate() -> None:
-            while True:
-                async with sm() as db:
-                    if not await policies_service.is_paused(db_session=db, name=rollout.policy_name):
-                        return
-                await asyncio.sleep(PAUSE_POLL_S)
-
+        reporter = DatabaseReporter(self._sessionmaker, node=self._node, policy_name=rollout.policy_name,
+                                    policies=self.policies, on_store_failure=self._store_failed)
         tree = None
         if plan.branching is not None:
-            tree = Tree(plan.branching, root_episode_id=episode.root_episode_id or episode.id, spawn=spawn,
-                        on_step=record, on_finish=finish, delete_snapshot=self._runtime.delete_snapshot)
+            tree = Tree(plan.branching, root_episode_id=episode.root_episode_id or episode.id, reporter=reporter,
+                        delete_snapshot=self._runtime.delete_snapshot)
         try:
             policy = plan.policy_for(task)
             try:
                 result = await run_episode(
                     episode_id=episode.id, task=task, runtime=self._runtime, policy=policy,
                     settings=plan.settings, sampling=plan.sampling, tokenizer=plan.tokenizer,
-                    stages=stages or self._stages, version_of=version_of, gate=gate,
-                    on_step=lambda step: record(episode.id, step), stale_check=stale_check,
+                    stages=stages or self._stages, reporter=reporter, max_staleness=rollout.max_staleness,
                     labels={"forkyard.rollout": rollout.id}, env_version=env_version, tree=tree,
                     env_factory=env_factory,
                 )
                 if tree is not None:
                     result.info["tree"] = {"episodes": tree.episodes, "branch_points": tree.branch_points}
                 try:
-                    await finish(episode.id, result)
+                    await reporter.finish(episode.id, result)
                 finally:  # the branches use the policy and the tree's snapshots: wait for them in any case
                     if tree is not None:
                         await tree.join()
@@ -306,6 +262,9 @@ class Dispatcher:
             raise
         except WorkerError as exc:  # e.g. the scripted policy has no oracle for this task
             await self._fail([episode.id], "error", str(exc))
+
+    async def _store_failed(self, episode_id: str, error: str) -> None:
+        await self._fail([episode_id], "error", error)
 
     async def _fail(self, episode_ids: list[str], termination: str, error: str) -> None:
         """Mark episodes failed; one that cannot be stored is logged (a restart fails it, as it is running)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
@@ -14,6 +13,7 @@ from gateway.errors import BadRequestError, InvalidRequestError
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.policies.service import check_inference_servers
 from gateway.rollouts import delivery, service
+from gateway.rollouts.executor import Executor
 from gateway.rollouts.models import Rollout, RolloutStatus
 from gateway.rollouts.schemas import (
     CONSUMER_PATTERN,
@@ -34,15 +34,15 @@ from gateway.rollouts.schemas import (
 router = APIRouter(prefix="/rollouts", tags=["rollouts"])
 
 
-def _dispatcher(request: Request) -> Any:
-    """Return the app's episode dispatcher (``app.state.dispatcher``), or None where none runs."""
-    return getattr(request.app.state, "dispatcher", None)
+def _executor(request: Request) -> Executor | None:
+    """Return the app's executor (``app.state.executor``), or None where none runs."""
+    return getattr(request.app.state, "executor", None)
 
 
 def _submit(request: Request, rollout_id: str) -> None:
-    dispatcher = _dispatcher(request)
-    if dispatcher is not None:
-        dispatcher.submit(rollout_id)
+    executor = _executor(request)
+    if executor is not None:
+        executor.submit(rollout_id)
 
 
 async def _read_all(db_session: DbSession, rows: list[Rollout]) -> list[RolloutRead]:
@@ -94,9 +94,9 @@ async def get_rollout(rollout_id: str, db_session: DbSession):
 async def cancel_rollout(rollout_id: str, request: Request, db_session: DbSession):
     """Cancel a rollout: queued episodes fail as cancelled, running ones are stopped."""
     row = await service.cancel_rollout(db_session=db_session, rollout_id=rollout_id)
-    dispatcher = _dispatcher(request)
-    if dispatcher is not None:
-        await dispatcher.cancel(rollout_id)
+    executor = _executor(request)
+    if executor is not None:
+        await executor.cancel(rollout_id)
     return (await _read_all(db_session, [row]))[0]
 
 

@@ -19,17 +19,24 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.episodes import service as episodes_service
 from gateway.episodes.models import Episode
+from gateway.rollouts.executor import Executor
 from tests.gateway.conftest import task_files
 
 SCRIPTED_POLICY = {"name": "pol-test", "api": "scripted"}
 
 
 class RecordingDispatcher:
-    """Stands in for the app's dispatcher: records what the API asks of it and runs nothing."""
+    """Stands in for the app's executor: records what the API asks of it and runs nothing."""
 
     def __init__(self) -> None:
         self.submitted: list[str] = []
         self.cancelled: list[str] = []
+
+    async def start(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
 
     def submit(self, rollout_id: str) -> None:
         self.submitted.append(rollout_id)
@@ -40,14 +47,15 @@ class RecordingDispatcher:
 
 @contextmanager
 def recording_dispatcher(app: FastAPI) -> Iterator[RecordingDispatcher]:
-    """Swap ``app.state.dispatcher`` for a recorder (these tests play the runner themselves), then restore it."""
-    previous = getattr(app.state, "dispatcher", None)
+    """Swap ``app.state.executor`` for a recorder (these tests play the runner themselves), then restore it."""
+    previous = getattr(app.state, "executor", None)
     recorder = RecordingDispatcher()
-    app.state.dispatcher = recorder
+    assert isinstance(recorder, Executor)
+    app.state.executor = recorder
     try:
         yield recorder
     finally:
-        app.state.dispatcher = previous
+        app.state.executor = previous
 
 
 def float32(value: float) -> float:

@@ -6,6 +6,7 @@ import pytest
 
 from workers.branching import BranchingSpec, Tree
 from workers.protocol import BranchingSpec as BranchingRequest
+from workers.reporting import MemoryReporter
 
 
 def stored(body: dict) -> BranchingSpec:
@@ -41,8 +42,7 @@ def test_grants_stop_at_the_tree_budget(body, grants):
     async def nothing(*args):
         return []
 
-    tree = Tree(stored(body), root_episode_id="ep_root", spawn=nothing, on_step=nothing, on_finish=nothing,
-                delete_snapshot=nothing)
+    tree = Tree(stored(body), root_episode_id="ep_root", reporter=MemoryReporter(), delete_snapshot=nothing)
     assert [tree.grant() for _ in grants] == grants
     assert tree.episodes == tree.spec.max_tree_episodes
     tree.refund(1)

@@ -16,6 +16,7 @@ from workers.branching import BranchingSpec, Tree
 from workers.envs.terminal.task import load_task_dir
 from workers.policy import create_policy_client
 from workers.policy.base import Sampling
+from workers.reporting import MemoryReporter
 from workers.runner import AgentSettings, StageLimits, run_episode
 from workers.runtime import WorkerRuntime
 
@@ -37,27 +38,27 @@ async def runtime(request):
         assert left == [], "the runner left sandboxes behind"
 
 
-async def run(runtime, policy_spec, *, max_turns=5, **kw):
+class AnnouncingReporter(MemoryReporter):
+    """A trainer that announces a new weight version after every step."""
+
+    async def record_step(self, episode_id, step):
+        await super().record_step(episode_id, step)
+        self.set_policy(version=(await self.policy_state()).version + 1)
+
+
+async def run(runtime, policy_spec, *, max_turns=5, reporter=None, max_staleness=None, **kw):
     policy = create_policy_client(policy_spec, task=TASK)
-    steps = []
-
-    async def on_step(step):
-        steps.append(step)
-
-    versions = iter(range(100))
-
-    async def version_of():
-        return next(versions)
-
+    reporter = reporter or AnnouncingReporter()
+    episode_id = f"ep_{uuid.uuid4().hex[:8]}"
     try:
         result = await run_episode(
-            episode_id=f"ep_{uuid.uuid4().hex[:8]}", task=TASK, runtime=runtime, policy=policy,
+            episode_id=episode_id, task=TASK, runtime=runtime, policy=policy,
             settings=AgentSettings(max_turns=max_turns, **kw), sampling=Sampling(), stages=StageLimits(),
-            version_of=version_of, on_step=on_step,
+            reporter=reporter, max_staleness=max_staleness,
         )
     finally:
         await policy.aclose()
-    return result, steps
+    return result, reporter.steps.get(episode_id, [])
 
 
 async def test_oracle_completes_with_reward_one(runtime):
@@ -112,22 +113,9 @@ async def test_unreachable_server_fails_the_episode_visibly(runtime):
 
 async def test_a_fork_cancelled_midway_leaves_no_sandbox_and_no_snapshot(runtime, monkeypatch):
     """Cancel the trunk while its branches are being restored: what was restored is destroyed, the snapshot freed."""
-    spawned: list[str] = []
-    finished: dict[str, str] = {}
-
-    async def spawn(parent_id: str, turn: int, n: int) -> list[str]:
-        ids = [f"ep_branch{uuid.uuid4().hex[:8]}" for _ in range(n)]
-        spawned.extend(ids)
-        return ids
-
-    async def on_step(episode_id, step):
-        pass
-
-    async def on_finish(episode_id, result):
-        finished[episode_id] = result.status
-
+    reporter = MemoryReporter()
     tree = Tree(BranchingSpec(at_turns=(1,), fanout=4, max_episodes=4), root_episode_id="ep_trunk",
-                spawn=spawn, on_step=on_step, on_finish=on_finish, delete_snapshot=runtime.delete_snapshot)
+                reporter=reporter, delete_snapshot=runtime.delete_snapshot)
     real_restore = runtime.backend.restore
     restored = asyncio.Event()
 
@@ -152,6 +140,34 @@ async def test_a_fork_cancelled_midway_leaves_no_sandbox_and_no_snapshot(runtime
         await tree.cancel()
     finally:
         await policy.aclose()
-    assert len(spawned) == 3 and not finished  # the branches never ran; the caller fails them (as cancelled)
+    # The branches were made but never ran; the caller fails them (as cancelled).
+    assert reporter.spawned == [("ep_trunk", 1, 3)] and not reporter.results
     assert await runtime.backend.list() == []
     assert [s for s in await runtime.backend.list_snapshots() if "forkyard.tree" in s.metadata] == []
+
+
+async def test_a_paused_policy_holds_the_next_turn_until_resumed(runtime):
+    reporter = MemoryReporter(version=4)
+    reporter.set_policy(paused=True)
+    episode = asyncio.create_task(run(runtime, {"name": "test", "api": "scripted"}, reporter=reporter))
+    await asyncio.sleep(1.0)
+    assert not episode.done() and not reporter.steps  # no policy call started while paused
+    reporter.set_policy(paused=False)
+    result, steps = await asyncio.wait_for(episode, 120)
+    assert (result.status, result.reward) == ("completed", 1.0)
+    assert result.weight_versions == [4, 4] and len(steps) == 2
+
+
+async def test_an_episode_past_max_staleness_stops_at_dispatch(runtime):
+    # The trainer moves 3 versions on after every step; 2 versions of lag are allowed.
+    class FastTrainer(MemoryReporter):
+        async def record_step(self, episode_id, step):
+            await super().record_step(episode_id, step)
+            self.set_policy(version=(await self.policy_state()).version + 3)
+
+    actions = [{"tool": "bash", "arguments": {"command": f"echo {i}"}} for i in range(4)]
+    result, steps = await run(runtime, {"name": "test", "api": "scripted", "actions": actions},
+                              reporter=FastTrainer(), max_staleness=2)
+    assert (result.status, result.termination, len(steps)) == ("stale", "stale", 1)
+    assert "oldest turn at version 0, policy at 3 (max_staleness 2)" in result.error
+
