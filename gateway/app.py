@@ -25,6 +25,8 @@ from gateway.episodes.router import router as episodes_router
 from gateway.errors import install_error_handlers
 from gateway.metrics import router as metrics_router
 from gateway.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
+from gateway.nodes.heartbeat import Heartbeat
+from gateway.nodes.router import router as nodes_router
 from gateway.openapi import declare_error_responses
 from gateway.policies.router import router as policies_router
 from gateway.rollouts.dispatch import Dispatcher
@@ -108,6 +110,7 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
         app.state.policy_states = policy_states = PolicyStates(sessionmaker)
         rt = runtime
         executor: Executor | None = None
+        heartbeat: Heartbeat | None = None
         ready = False
         try:
             async with sessionmaker() as db_session:
@@ -126,9 +129,15 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
                 setup=settings.stages.setup, agent=settings.stages.agent, verify=settings.stages.verify
             )
             executor = Dispatcher(sessionmaker=sessionmaker, runtime=rt, node=settings.node, stages=stages,
-                                  policies=policy_states)
+                                  policies=policy_states, drain_poll_s=settings.nodes.heartbeat_s)
             await executor.start()
             app.state.executor = executor
+            heartbeat = Heartbeat(
+                sessionmaker, node=settings.node, backend=rt.backend_name, capacity=settings.stages.agent,
+                load=lambda: {"sessions": rt.session_count(), "episodes": executor.running_episodes},
+                interval_s=settings.nodes.heartbeat_s,
+            )
+            await heartbeat.start()
             logger.info("gateway ready: node %s, database %s", settings.node, redact_database_url(url))
             ready = True
             yield
@@ -139,6 +148,8 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
         finally:
             app.state.runtime = None
             try:
+                if heartbeat is not None:
+                    await heartbeat.aclose()
                 if executor is not None:
                     # Episodes still running stay `running` in the DB and are requeued at the next start.
                     await executor.aclose()
@@ -179,7 +190,7 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
     app.include_router(metrics_router)  # open like /healthz: scrapers carry no API key
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
     for router in (environments_router, tasks_router, sessions_router, sandboxes_router, rollouts_router,
-                   episodes_router, policies_router, snapshots_router):
+                   episodes_router, policies_router, snapshots_router, nodes_router):
         v1.include_router(router)
     app.include_router(v1)
     declare_error_responses(app)

@@ -279,6 +279,37 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- nodes
+
+
+def cmd_nodes_list(args: argparse.Namespace) -> int:
+    """List the nodes: name, state, backend, load / capacity, last heartbeat."""
+    from gateway.nodes.service import list_nodes
+
+    settings = _settings(data_dir=args.data_dir)
+    for node in asyncio.run(_with_db(settings, lambda db: list_nodes(db_session=db))):
+        load = ", ".join(f"{k} {v}" for k, v in sorted(node.load.items())) or "idle"
+        print(f"{node.name}  {node.state}  {node.backend}  capacity {node.capacity}  {load}  "
+              f"heartbeat {node.heartbeat_at:%Y-%m-%d %H:%M:%S}")
+    return 0
+
+
+def cmd_nodes_drain(args: argparse.Namespace) -> int:
+    """Drain a node (no new work; what runs finishes), or undrain it."""
+    from gateway.errors import NotFoundError
+    from gateway.nodes.service import set_draining
+
+    settings = _settings(data_dir=args.data_dir)
+    draining = args.nodes_command == "drain"
+    try:
+        node = asyncio.run(_with_db(settings, lambda db: set_draining(db_session=db, name=args.name,
+                                                                      draining=draining)))
+    except NotFoundError as exc:
+        raise CLIError(str(exc), exit_code=2) from exc
+    _stderr(f"forkyard: node {node.name} is {node.state}")
+    return 0
+
+
 # --------------------------------------------------------------------------- tasks
 
 
@@ -507,6 +538,17 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("key_id")
     revoke.add_argument("--data-dir", type=Path)
     revoke.set_defaults(func=cmd_keys_revoke)
+
+    nodes = sub.add_parser("nodes", help="the nodes that own sandboxes: list, drain, undrain").add_subparsers(
+        dest="nodes_command", required=True, metavar="COMMAND")
+    nodes_list = nodes.add_parser("list", help="list nodes with state, backend, load and last heartbeat")
+    nodes_list.add_argument("--data-dir", type=Path, help="data dir of the gateway (or set FORKYARD_DATABASE_URL)")
+    nodes_list.set_defaults(func=cmd_nodes_list)
+    for action, text in (("drain", "take no new work (what runs finishes)"), ("undrain", "take new work again")):
+        one = nodes.add_parser(action, help=f"have a node {text}")
+        one.add_argument("name")
+        one.add_argument("--data-dir", type=Path)
+        one.set_defaults(func=cmd_nodes_drain)
 
     tasks = sub.add_parser("tasks", help="manage tasks on a running gateway").add_subparsers(
         dest="tasks_command", required=True, metavar="COMMAND")

@@ -4,6 +4,7 @@ from gateway.auth.models import ApiKey
 from gateway.db import Base
 from gateway.environments.models import Environment
 from gateway.episodes.models import Episode, EpisodeStep
+from gateway.nodes.models import Node
 from gateway.policies.models import Policy
 from gateway.rollouts.models import (
     DeliveryConsumer,
@@ -18,6 +19,6 @@ from gateway.tasks.models import Task
 
 __all__ = [
     "ApiKey", "Base", "DeliveryConsumer", "DeliveryLease", "EnvSession", "Environment", "Episode",
-    "EpisodeGroup", "EpisodeStep", "Policy", "Rollout", "Sandbox", "SessionState", "SessionStep",
+    "EpisodeGroup", "EpisodeStep", "Node", "Policy", "Rollout", "Sandbox", "SessionState", "SessionStep",
     "SnapshotRecord", "Task",
 ]

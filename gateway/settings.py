@@ -24,6 +24,13 @@ class SessionLimits(BaseModel):
     """Most sessions open at the same time on this node; more are refused with 429."""
 
 
+class NodeSettings(BaseModel):
+    """This node's heartbeat (``FORKYARD_NODES__HEARTBEAT_S``)."""
+
+    heartbeat_s: float = Field(default=5.0, gt=0, le=3600)
+    """Seconds between heartbeats; a node is down after 2.5 intervals without one."""
+
+
 class StageLimitsSettings(BaseModel):
     """How many episodes of all rollouts may be in each stage at once on this node."""
 
@@ -196,6 +203,7 @@ class Settings(BaseSettings):
     """Session limits (``FORKYARD_SESSIONS__MAX_OPEN``)."""
 
     stages: StageLimitsSettings = Field(default_factory=StageLimitsSettings)
+    nodes: NodeSettings = Field(default_factory=NodeSettings)
     """Per-stage concurrency of rollout episodes (``FORKYARD_STAGES__SETUP`` / ``__AGENT`` / ``__VERIFY``)."""
 
     setup_cache: SetupCacheSettings = Field(default_factory=SetupCacheSettings)

@@ -115,6 +115,11 @@ class WorkerRuntime:
         return self.ctx.ca_bundle
 
     @property
+    def backend_name(self) -> str:
+        """The sandbox backend this node runs (``local``, ``docker``)."""
+        return self.backend.name
+
+    @property
     def node(self) -> str:
         """Name of the node this runtime's sandboxes live on."""
         return self.backend.node

@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.environments.models import Environment
 from gateway.episodes import service as episodes_service
 from gateway.logs import register_secret
+from gateway.nodes import service as nodes_service
 from gateway.rollouts import service as rollouts_service
 from gateway.rollouts.reporting import DatabaseReporter, PolicyStates
 from gateway.tasks import service as tasks_service
@@ -65,6 +66,7 @@ class Dispatcher:
         node: str,
         stages: StageLimits | None = None,
         policies: PolicyStates | None = None,
+        drain_poll_s: float = 5.0,
     ) -> None:
         self._sessionmaker = sessionmaker
         self._runtime = runtime
@@ -72,6 +74,7 @@ class Dispatcher:
         self._stages = stages or StageLimits()
         self.policies = policies or PolicyStates(sessionmaker)
         """The policies' versions and pause flags, cached for every episode this dispatcher runs."""
+        self._drain_poll_s = drain_poll_s
         self._rollouts: dict[str, asyncio.Task[None]] = {}
         self._episodes: dict[str, dict[str, asyncio.Task[None]]] = {}
         self._closed = False
@@ -94,6 +97,15 @@ class Dispatcher:
         task = self._rollouts.get(rollout_id)
         if task is None or task.done():
             self._rollouts[rollout_id] = asyncio.create_task(self._run_rollout(rollout_id), name=f"rollout {rollout_id}")
+
+    @property
+    def running_episodes(self) -> int:
+        """Episodes running on this node now (a shared group's samples each count)."""
+        return sum(len(running) for running in self._episodes.values())
+
+    async def _draining(self) -> bool:
+        async with self._sessionmaker() as db:
+            return await nodes_service.is_draining(db_session=db, name=self._node)
 
     async def cancel(self, rollout_id: str) -> None:
         """Stop a rollout's running episodes (the service has already cancelled it in the DB)."""
@@ -134,6 +146,9 @@ class Dispatcher:
                     if not running:
                         break
                     await asyncio.wait(list(running.values()), return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                if await self._draining():  # no new episode starts here; what runs finishes
+                    await asyncio.sleep(self._drain_poll_s)
                     continue
                 for episode in queued:
                     if episode.id in running:  # taken with its group

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from gateway.db import new_id, utcnow
 from gateway.errors import ConflictError, NotFoundError, RateLimitedError
+from gateway.nodes import service as nodes_service
 from gateway.pagination import page_of, paginate
 from gateway.sandboxes.models import Sandbox
 from gateway.sessions.gate import StepGate
@@ -156,6 +157,13 @@ async def count_open_sessions(*, db_session: AsyncSession, node: str) -> int:
     return int(await db_session.scalar(stmt) or 0)
 
 
+async def refuse_if_draining(*, db_session: AsyncSession, node: str) -> None:
+    """Raise ConflictError (``node_draining``) if ``node`` takes no new work."""
+    if await nodes_service.is_draining(db_session=db_session, name=node):
+        raise ConflictError(f"Node {node!r} is draining: it takes no new sessions until an operator undrains it.",
+                            code="node_draining")
+
+
 async def open_session(
     *, db_session: AsyncSession, runtime: WorkerRuntime, task_id: str, node: str, max_open: int
 ) -> tuple[EnvSession, SessionOpened]:
@@ -166,6 +174,7 @@ async def open_session(
         RateLimitedError: ``max_open`` sessions are already open on this node.
     """
     task = await get_task(db_session=db_session, task_id=task_id)
+    await refuse_if_draining(db_session=db_session, node=node)
     if await count_open_sessions(db_session=db_session, node=node) >= max_open:
         raise RateLimitedError(
             f"This gateway node already runs {max_open} open sessions (its limit); close one and retry."

@@ -241,6 +241,7 @@ async def fork_snapshot(
         record = await get_snapshot(db_session=db_session, snapshot_id=snapshot_id)
         known = known_snapshots.put(record)
     # No sandbox starts past the limit (the runtime's count; the database's is read beside the restore).
+    await sessions_service.refuse_if_draining(db_session=db_session, node=node)
     if runtime.session_count() + n > max_open:
         raise _too_many(n, max_open)
     task = await load_task(db_session=db_session, task_id=known.task_id)

@@ -133,6 +133,21 @@ def test_pause_holds_policy_calls_until_resume(client, task_ids):
     assert {e.reward for e in client.episodes.list(rollout_id=rollout.id)} == {1.0}
 
 
+def test_a_drained_node_starts_no_episode_until_undrained(client, task_ids, live_gateway):
+    (node,) = [n for n in client.nodes.list() if n.state == "up"]
+    assert node.backend == live_gateway.backend
+    assert client.nodes.drain(node.name).state == "draining"
+    try:
+        rollout = client.rollouts.create(tasks={"ids": [task_ids[TASK_NAMES[0]]]}, group_size=2, policy=ORACLE,
+                                         agent={"max_turns": 4})
+        time.sleep(2.0)
+        assert {e.status for e in client.episodes.list(rollout_id=rollout.id)} == {"queued"}
+    finally:
+        assert client.nodes.undrain(node.name).state == "up"
+    assert wait_done(client, rollout.id).status == "completed"
+    assert {e.reward for e in client.episodes.list(rollout_id=rollout.id)} == {1.0}
+
+
 def test_staleness_is_enforced_at_dispatch(client, task_ids):
     slow = [{"tool": "bash", "arguments": {"command": "sleep 4"}}, {"tool": "submit", "arguments": {}}]
     rollout = client.rollouts.create(

@@ -50,6 +50,7 @@ class FakeRuntime:
 
     def __init__(self, node: str = NODE) -> None:
         self.node = node
+        self.backend_name = "fake"
         self.sandboxes: dict[str, SandboxInfo] = {}
         self.sessions: dict[str, dict[str, Any]] = {}
         self.started = False

@@ -20,6 +20,7 @@ from ._base_client import (
 )
 from .resources.environments import AsyncEnvironments, Environments
 from .resources.episodes import AsyncEpisodes, Episodes
+from .resources.nodes import AsyncNodes, Nodes
 from .resources.policies import AsyncPolicies, Policies
 from .resources.rollouts import AsyncRollouts, Rollouts
 from .resources.sandboxes import AsyncSandboxes, Sandboxes
@@ -51,6 +52,7 @@ class Client(BaseClient[httpx.Client]):
     sandboxes: Sandboxes
     rollouts: Rollouts
     policies: Policies
+    nodes: Nodes
     episodes: Episodes
 
     def __init__(
@@ -78,6 +80,7 @@ class Client(BaseClient[httpx.Client]):
         self.sandboxes = Sandboxes(self)
         self.rollouts = Rollouts(self)
         self.policies = Policies(self)
+        self.nodes = Nodes(self)
         self.episodes = Episodes(self)
 
     def _make_http_client(self) -> httpx.Client:
@@ -139,6 +142,7 @@ class AsyncClient(BaseClient[httpx.AsyncClient]):
     sandboxes: AsyncSandboxes
     rollouts: AsyncRollouts
     policies: AsyncPolicies
+    nodes: AsyncNodes
     episodes: AsyncEpisodes
 
     def __init__(
@@ -166,6 +170,7 @@ class AsyncClient(BaseClient[httpx.AsyncClient]):
         self.sandboxes = AsyncSandboxes(self)
         self.rollouts = AsyncRollouts(self)
         self.policies = AsyncPolicies(self)
+        self.nodes = AsyncNodes(self)
         self.episodes = AsyncEpisodes(self)
 
     def _make_http_client(self) -> httpx.AsyncClient:

@@ -261,6 +261,25 @@ class Rollout(ForkyardModel):
         return self.status in ROLLOUT_FINAL_STATUSES
 
 
+class Node(ForkyardModel):
+    """A host that owns sandboxes: ``state`` is ``up``, ``down`` (heartbeats missed) or ``draining``."""
+
+    name: str
+    state: str
+    backend: str
+    capacity: int = 0
+    load: dict[str, Any] = Field(default_factory=dict)
+    heartbeat_at: datetime | None = None
+    started_at: datetime | None = None
+    draining: bool = False
+
+
+class NodeList(ForkyardModel):
+    """The body of ``GET /v1/nodes``."""
+
+    items: list[Node]
+
+
 class Policy(ForkyardModel):
     """A named policy's current weight version and whether dispatch to it is paused."""
 

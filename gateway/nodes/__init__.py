@@ -1,0 +1,1 @@
+"""Nodes: the hosts that own sandboxes, their heartbeats, load and drain switch."""

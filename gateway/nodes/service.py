@@ -1,0 +1,93 @@
+"""Nodes: heartbeats in, states out, and the drain switch.
+
+A node (a worker host; in the embedded mode, the gateway itself) writes a heartbeat every
+``heartbeat_s`` seconds with its backend, capacity and load. It is ``down`` once
+:data:`MISSED_HEARTBEATS` of its intervals pass without one, ``draining`` while an operator
+has it take no new work (what runs finishes), else ``up``.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from gateway.db import utcnow
+from gateway.errors import NotFoundError
+from gateway.nodes.models import Node
+from gateway.nodes.schemas import NodeRead
+
+logger = logging.getLogger(__name__)
+
+#: Intervals without a heartbeat after which a node is down.
+MISSED_HEARTBEATS = 2.5
+
+
+async def heartbeat(
+    *, db_session: AsyncSession, name: str, backend: str, capacity: int, load: dict[str, Any], heartbeat_s: float,
+    started: bool = False,
+) -> None:
+    """Record that ``name`` is alive now (``started``: it has just started; its start time is reset)."""
+    now = utcnow()
+    values: dict[str, Any] = {"backend": backend, "capacity": capacity, "load": load, "heartbeat_s": heartbeat_s,
+                              "heartbeat_at": now}
+    if started:
+        values["started_at"] = now
+    result = await db_session.execute(update(Node).where(Node.name == name).values(**values))
+    if result.rowcount == 0:  # type: ignore[attr-defined]
+        db_session.add(Node(name=name, draining=False, **{"started_at": now, **values}))
+        try:
+            await db_session.commit()
+            logger.info("node %s joined (%s backend, capacity %d)", name, backend, capacity)
+            return
+        except IntegrityError:  # written concurrently: update it instead
+            await db_session.rollback()
+            await db_session.execute(update(Node).where(Node.name == name).values(**values))
+    await db_session.commit()
+
+
+def state_of(node: Node, now: datetime) -> str:
+    """Return ``up``, ``down`` or ``draining`` for ``node`` at ``now``."""
+    if now - node.heartbeat_at > timedelta(seconds=node.heartbeat_s * MISSED_HEARTBEATS):
+        return "down"
+    return "draining" if node.draining else "up"
+
+
+def read(node: Node, now: datetime) -> NodeRead:
+    """Return the node as the API shows it."""
+    return NodeRead(name=node.name, state=state_of(node, now), backend=node.backend,  # type: ignore[arg-type]
+                    capacity=node.capacity, load=dict(node.load or {}), heartbeat_at=node.heartbeat_at,
+                    started_at=node.started_at, draining=node.draining)
+
+
+async def list_nodes(*, db_session: AsyncSession) -> list[NodeRead]:
+    """Return every node, by name."""
+    now = utcnow()
+    rows = (await db_session.scalars(select(Node).order_by(Node.name))).all()
+    return [read(row, now) for row in rows]
+
+
+async def get_node(*, db_session: AsyncSession, name: str) -> Node:
+    """Return the node named ``name``; raise NotFoundError if none."""
+    node = await db_session.get(Node, name)
+    if node is None:
+        raise NotFoundError(f"No node named {name!r} has sent a heartbeat.")
+    return node
+
+
+async def set_draining(*, db_session: AsyncSession, name: str, draining: bool) -> NodeRead:
+    """Have ``name`` take no new work (``draining``) or take it again; idempotent."""
+    node = await get_node(db_session=db_session, name=name)
+    node.draining = draining
+    await db_session.commit()
+    logger.info("node %s %s", name, "drains: no new work" if draining else "takes new work again")
+    return read(node, utcnow())
+
+
+async def is_draining(*, db_session: AsyncSession, name: str) -> bool:
+    """Tell whether ``name`` is draining (False for a node never seen)."""
+    return bool(await db_session.scalar(select(Node.draining).where(Node.name == name)))

@@ -1,0 +1,81 @@
+"""Nodes: the embedded gateway's own heartbeat, states (up, down, draining) and the drain switch."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from datetime import timedelta
+
+from gateway.app import create_app
+from gateway.cli import _settings, _with_db
+from gateway.db import utcnow
+from gateway.nodes import service
+from gateway.nodes.models import Node
+from tests.gateway.conftest import NODE, FakeRuntime, asgi_client, assert_error, make_settings, task_files
+
+
+async def test_the_gateway_is_a_node_with_a_heartbeat(gateway):
+    body = (await gateway.client.get("/v1/nodes")).json()
+    (node,) = body["items"]
+    assert (node["name"], node["state"], node["backend"], node["draining"]) == (NODE, "up", "fake", False)
+    assert node["load"] == {"sessions": 0, "episodes": 0} and node["capacity"] >= 1
+    assert {"heartbeat_at", "started_at"} <= set(node)
+
+
+async def test_heartbeats_carry_the_load_and_a_silent_node_is_down(tmp_path):
+    app = create_app(make_settings(tmp_path, nodes={"heartbeat_s": 0.2}), runtime=FakeRuntime())
+    async with app.router.lifespan_context(app), asgi_client(app) as client:
+        task = (await client.post("/v1/tasks", json={"tasks": [{"name": "t", "files": task_files("t")}]})).json()
+        await client.post("/v1/sessions", json={"task_id": task["items"][0]["id"]})
+        first = (await client.get("/v1/nodes")).json()["items"][0]
+        for _ in range(50):  # the next heartbeat counts the session (bounded: 5 s)
+            node = (await client.get("/v1/nodes")).json()["items"][0]
+            if node["load"]["sessions"] == 1:
+                break
+            await asyncio.sleep(0.1)
+        assert node["load"]["sessions"] == 1 and node["heartbeat_at"] > first["heartbeat_at"]
+        # A node that stopped beating (another host, crashed) reads down after 2.5 intervals.
+        async with app.state.sessionmaker() as db:
+            db.add(Node(name="gone-host", backend="docker", capacity=4, load={}, heartbeat_s=5.0,
+                        heartbeat_at=utcnow() - timedelta(seconds=13), started_at=utcnow() - timedelta(hours=1),
+                        draining=False))
+            db.add(Node(name="late-host", backend="local", capacity=4, load={}, heartbeat_s=5.0,
+                        heartbeat_at=utcnow() - timedelta(seconds=11), started_at=utcnow(), draining=False))
+            await db.commit()
+        states = {n["name"]: n["state"] for n in (await client.get("/v1/nodes")).json()["items"]}
+        assert states == {NODE: "up", "gone-host": "down", "late-host": "up"}
+
+
+async def test_a_draining_node_opens_no_session_until_undrained(gateway):
+    task = await gateway.import_task("hello")
+    drained = (await gateway.client.post(f"/v1/nodes/{NODE}/drain")).json()
+    assert (drained["state"], drained["draining"]) == ("draining", True)
+    error = assert_error(await gateway.client.post("/v1/sessions", json={"task_id": task["id"]}), 409, "node_draining")
+    assert NODE in error["message"]
+    assert (await gateway.client.get("/v1/nodes")).json()["items"][0]["state"] == "draining"
+    undrained = (await gateway.client.post(f"/v1/nodes/{NODE}/undrain")).json()
+    assert (undrained["state"], undrained["draining"]) == ("up", False)
+    await gateway.open_session(task["id"])
+    assert_error(await gateway.client.post("/v1/nodes/no-such-node/drain"), 404, "not_found")
+
+
+def test_cli_lists_and_drains_nodes(tmp_path):
+    data = tmp_path / "data"
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gateway.cli", *args, "--data-dir", str(data)],
+                              capture_output=True, text=True, timeout=120)
+
+    assert cli("nodes", "list").stdout == ""  # a fresh database knows no node
+    missing = cli("nodes", "drain", "nowhere")
+    assert missing.returncode == 2 and "nowhere" in missing.stderr
+    settings = _settings(data_dir=data)
+    asyncio.run(_with_db(settings, lambda db: service.heartbeat(
+        db_session=db, name="host-a", backend="local", capacity=8, load={"episodes": 3}, heartbeat_s=60)))
+    assert cli("nodes", "drain", "host-a").returncode == 0
+    listed = cli("nodes", "list").stdout.split()
+    assert listed[:6] == ["host-a", "draining", "local", "capacity", "8", "episodes"]
+    assert cli("nodes", "undrain", "host-a").returncode == 0
+    assert cli("nodes", "list").stdout.split()[1] == "up"
+
