@@ -21,6 +21,8 @@ class WorkerError(Exception):
 
     code: ClassVar[str] = "internal_error"
     status: ClassVar[int] = 500
+    infra: ClassVar[bool] = False
+    """Whether an episode this ends failed for the infrastructure's sake (never the policy's)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -78,6 +80,7 @@ class ImageBuildError(WorkerError):
 
     code = "image_build_error"
     status = 422
+    infra = True
 
 
 class TaskSetupError(WorkerError):

@@ -187,6 +187,15 @@ _STEP_ONLY_INFO = frozenset({"exit_code", "timed_out", "time_left_s"})
 VERIFIER_TAIL_CHARS = 2048
 
 
+def infra_failure(exc: BaseException) -> bool:
+    """Tell whether ``exc`` is the infrastructure's failure (a sandbox, an image), which says nothing of the policy.
+
+    Episodes it ends are marked ``info.infra``: failed, dead-lettered with the reason, never
+    delivered (and never to be read as a reward of 0).
+    """
+    return isinstance(exc, SandboxError) or bool(getattr(exc, "infra", False))
+
+
 def verifier_summary(verifier: dict[str, Any]) -> dict[str, Any]:
     """Return the verifier's exit code, timeout flag and the tails of its output, for an episode's info."""
     summary: dict[str, Any] = {"exit_code": verifier.get("exit_code"), "timed_out": bool(verifier.get("timed_out"))}
@@ -323,7 +332,8 @@ async def _drive(
     except PolicyError as exc:
         return result("failed", "error", error=f"policy: {exc}")
     except (ImageBuildError, SandboxError, WorkerError) as exc:
-        return result("failed", "error", error=f"{type(exc).__name__}: {exc}")
+        return result("failed", "error", error=f"{type(exc).__name__}: {exc}",
+                      info={"infra": True} if infra_failure(exc) else None)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # an episode never takes the rollout down with it

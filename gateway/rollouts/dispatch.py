@@ -42,6 +42,7 @@ from workers.protocol import EpisodeStatus, PolicySpec, describe
 from workers.runner import (
     AgentSettings,
     StageLimits,
+    infra_failure,
     run_episode,
 )
 
@@ -219,7 +220,8 @@ class Dispatcher:
             image = await runtime.task_image(task)
         except Exception as exc:  # as a single episode's failed image build would: every member fails with it
             logger.warning("group %s: no image for task %s: %s", episodes[0].group_id, task.name, exc)
-            await self._fail([e.id for e in episodes], "error", f"{type(exc).__name__}: {exc}")
+            await self._fail([e.id for e in episodes], "error", f"{type(exc).__name__}: {exc}",
+                             infra=infra_failure(exc))
             return
 
         async def new_env() -> Any:
@@ -281,14 +283,17 @@ class Dispatcher:
     async def _store_failed(self, episode_id: str, error: str) -> None:
         await self._fail([episode_id], "error", error)
 
-    async def _fail(self, episode_ids: list[str], termination: str, error: str) -> None:
-        """Mark episodes failed; one that cannot be stored is logged (a restart fails it, as it is running)."""
+    async def _fail(self, episode_ids: list[str], termination: str, error: str, *, infra: bool = False) -> None:
+        """Mark episodes failed; one that cannot be stored is logged (a restart fails it, as it is running).
+
+        ``infra``: the failure is the infrastructure's (a sandbox, an image, a node), not the policy's.
+        """
         for episode_id in episode_ids:
             try:
                 async with self._sessionmaker() as db:
                     await episodes_service.finish_episode(
                         db_session=db, episode_id=episode_id, status="failed", termination=termination,
-                        reward=None, error=error,
+                        reward=None, error=error, info={"infra": True} if infra else None,
                     )
             except Exception:
                 logger.exception("episode %s: marking it failed (%s) failed", episode_id, error)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sandboxes.backends import create_backend
+from sandboxes.errors import BackendUnavailableError
 from tests.conftest import base_image
 from workers.branching import BranchingSpec, Tree
 from workers.envs.terminal.task import load_task_dir
@@ -109,6 +110,33 @@ async def test_unreachable_server_fails_the_episode_visibly(runtime):
     result, _ = await run(runtime, spec)
     assert result.status == "failed" and result.termination == "error"
     assert "127.0.0.1:9" in result.error
+    assert "infra" not in result.info  # the policy's own server: the policy's failure
+
+
+async def test_a_sandbox_failure_is_marked_infra_not_the_policys(runtime, monkeypatch):
+    async def engine_gone(spec):
+        raise BackendUnavailableError("the engine stopped answering")
+
+    monkeypatch.setattr(runtime.backend, "create", engine_gone)
+    monkeypatch.setattr(runtime.backend, "restore", engine_gone)
+    result, steps = await run(runtime, {"name": "test", "api": "scripted"})
+    assert (result.status, result.termination, result.reward, steps) == ("failed", "error", None, [])
+    assert result.info["infra"] is True and "engine stopped answering" in result.error
+
+
+async def test_an_image_that_cannot_be_built_is_marked_infra(runtime, tmp_path):
+    task_dir = tmp_path / "broken-image"
+    shutil.copytree(EXAMPLES / "count-log-errors", task_dir)
+    (task_dir / "environment" / "Dockerfile").write_text(f"FROM ubuntu:24.04\nRUN echo broken-{uuid.uuid4().hex[:8]} && exit 7\n")  # unique: no cached image of it
+    task = load_task_dir(task_dir)
+    policy = create_policy_client({"name": "test", "api": "scripted"}, task=task)
+    try:
+        result = await run_episode(episode_id="ep_img", task=task, runtime=runtime, policy=policy,
+                                   settings=AgentSettings(max_turns=2), sampling=Sampling())
+    finally:
+        await policy.aclose()
+    assert (result.status, result.info.get("infra")) == ("failed", True)
+    assert "ImageBuildError" in result.error or "DockerfileError" in result.error
 
 
 async def test_a_fork_cancelled_midway_leaves_no_sandbox_and_no_snapshot(runtime, monkeypatch):
