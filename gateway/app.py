@@ -30,6 +30,7 @@ from gateway.nodes.router import router as nodes_router
 from gateway.openapi import declare_error_responses
 from gateway.policies.router import router as policies_router
 from gateway.rollouts.dispatch import Dispatcher
+from gateway.rollouts.events import RedisBridge, rollout_events
 from gateway.rollouts.executor import Executor
 from gateway.rollouts.reporting import PolicyStates
 from gateway.rollouts.router import router as rollouts_router
@@ -111,6 +112,7 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
         rt = runtime
         executor: Executor | None = None
         heartbeat: Heartbeat | None = None
+        bridge: RedisBridge | None = None
         ready = False
         try:
             async with sessionmaker() as db_session:
@@ -119,6 +121,9 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
                     await auth_service.create_api_key(
                         db_session=db_session, name="bootstrap", key=settings.bootstrap_api_key.get_secret_value()
                     )
+            if settings.redis_url:
+                bridge = RedisBridge(rollout_events, settings.redis_url)
+                await bridge.start()
             if rt is None:
                 rt = await asyncio.to_thread(build_runtime, settings)
             await rt.start(progress=_log_progress)
@@ -150,6 +155,8 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
             try:
                 if heartbeat is not None:
                     await heartbeat.aclose()
+                if bridge is not None:
+                    await bridge.aclose()
                 if executor is not None:
                     # Episodes still running stay `running` in the DB and are requeued at the next start.
                     await executor.aclose()

@@ -158,6 +158,10 @@ class Settings(BaseSettings):
     database_url: str | None = None
     """SQLAlchemy URL (sqlite:///... or postgresql://...); default: SQLite at ``data_dir/forkyard.db``."""
 
+    redis_url: str | None = None
+    """``redis://host:port/db`` shared by the gateways of a fleet (``FORKYARD_REDIS_URL``): finished
+    episodes wake the streams and long-polls of every gateway at once. None (embedded): in-process only."""
+
     auto_migrate: bool = True
     """Run ``alembic upgrade head`` at startup; when false, refuse to start unless the DB is at head."""
 
