@@ -9,7 +9,9 @@ root after ``bash .ci/bootstrap``. Everything comes from the same run, on the lo
   8 KB, on one session for ``--steps`` steps; p50 over windows of 20 steps at steps 1, 100
   and ``--steps`` (the history grows as it goes);
 - ``snapshot`` and ``fork`` (n = 1) through the API vs. ``snapshot`` / ``restore(n=1)`` of
-  the backend, on a session (and sandbox) carrying the history above.
+  the backend, on a session (and sandbox) carrying the history above;
+- ``gRPC step``: the same 1 KB and 8 KB steps through the gRPC step channel
+  (``Sessions.Attach``, one stream per session, one request in flight), windows as above.
 
 The gateway is a real ``forkyard up`` (SQLite, local backend) on 127.0.0.1; the client is
 httpx with one keep-alive connection. Prints medians and the gateway's added cost
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import re
@@ -64,7 +67,7 @@ class Gateway:
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        self.url = self.key = ""
+        self.url = self.key = self.grpc = ""
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Gateway:
@@ -73,7 +76,7 @@ class Gateway:
             [str(FORKYARD), "up", "--host", "127.0.0.1", "--port", "0", "--data-dir", str(self.data_dir),
              "--backend", "local", "--log-level", "warning"],
             stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-            env={**os.environ, "FORKYARD_NODE": f"bench-{uuid.uuid4().hex[:6]}"},
+            env={**os.environ, "FORKYARD_NODE": f"bench-{uuid.uuid4().hex[:6]}", "FORKYARD_GRPC_PORT": "0"},
         )  # fmt: skip
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not (self.url and self.key):
@@ -82,6 +85,7 @@ class Gateway:
             text = log.read_text(errors="replace")
             self.url = (re.search(r"^FORKYARD_URL=(\S+)", text, re.M) or [None, ""])[1]
             self.key = (re.search(r"^FORKYARD_API_KEY=(\S+)", text, re.M) or [None, ""])[1]
+            self.grpc = (re.search(r"^FORKYARD_GRPC=(\S+)", text, re.M) or [None, ""])[1]
             time.sleep(0.2)
         if not (self.url and self.key):
             raise RuntimeError(f"forkyard up did not get ready:\n{log.read_text()[-3000:]}")
@@ -139,7 +143,36 @@ def bench_api(gw: Gateway, steps: int, runs: int) -> dict[str, list[float]]:
                     http.delete(f"/v1/snapshots/{snap_id}")
                 out["snapshot"], out["fork"] = snaps, forks
             http.delete(f"/v1/sessions/{sid}")
+            sid = http.post("/v1/sessions", json={"task_id": task["id"]}).json()["id"]
+            times = asyncio.run(grpc_steps(gw, sid, steps, size))
+            for w in windows:
+                lo = max(0, min(w - 1, steps - WINDOW))
+                out[f"gRPC step {label} @{w}"] = times[lo:lo + WINDOW]
+            http.delete(f"/v1/sessions/{sid}")
     return out
+
+
+async def grpc_steps(gw: Gateway, session_id: str, steps: int, size: int) -> list[float]:
+    """Step one session ``steps`` times over one gRPC stream, one request in flight; return each step's time."""
+    import grpc
+
+    from gateway.grpc.codegen import modules
+
+    pb2, pb2_grpc = modules()
+    request = pb2.StepRequest(tool="bash", arguments_json=json.dumps({"command": command(size)}))
+    times = []
+    async with grpc.aio.insecure_channel(gw.grpc) as channel:
+        call = pb2_grpc.SessionsStub(channel).Attach(
+            metadata=(("authorization", f"Bearer {gw.key}"), ("x-forkyard-session", session_id)))
+        for seq in range(steps):
+            request.seq = seq
+            started = time.perf_counter()
+            await call.write(request)
+            reply = await call.read()
+            times.append(time.perf_counter() - started)
+            assert not reply.HasField("error") and len(reply.observation) >= size, reply
+        await call.done_writing()
+    return times
 
 
 async def bench_backend(root: Path, runs: int) -> dict[str, list[float]]:
@@ -187,6 +220,7 @@ def main() -> None:
     print(f"\n{'what':<24} {'p50 ms':>8} {'backend ms':>11} {'added ms':>9}  target <= {TARGET_ADDED_MS:g} ms added")
     print(f"{'round trip (healthz)':<24} {floor:>8.2f}")
     rows = [(k, f"exec {k.split()[1]} {k.split()[2]}") for k in api if k.startswith("step ")]
+    rows += [(k, f"exec {k.split()[2]} {k.split()[3]}") for k in api if k.startswith("gRPC step ")]
     rows += [("snapshot", "snapshot"), ("fork", "fork")]
     for key, base_key in rows:
         value, base = med_ms(api[key]), med_ms(backend[base_key])

@@ -113,6 +113,7 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
         executor: Executor | None = None
         heartbeat: Heartbeat | None = None
         bridge: RedisBridge | None = None
+        grpc_server: Any = None
         ready = False
         try:
             async with sessionmaker() as db_session:
@@ -143,6 +144,11 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
                 interval_s=settings.nodes.heartbeat_s,
             )
             await heartbeat.start()
+            if settings.grpc_port is not None:
+                from gateway.grpc.server import start_server
+
+                grpc_server, app.state.grpc_port = await start_server(
+                    app, settings.grpc_host, settings.grpc_port, max_message_bytes=settings.max_body_bytes)
             logger.info("gateway ready: node %s, database %s", settings.node, redact_database_url(url))
             ready = True
             yield
@@ -153,6 +159,8 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
         finally:
             app.state.runtime = None
             try:
+                if grpc_server is not None:
+                    await grpc_server.stop(grace=2.0)  # steps under way finish; new streams are refused
                 if heartbeat is not None:
                     await heartbeat.aclose()
                 if bridge is not None:

@@ -110,7 +110,10 @@ async def _serve(server: Any, host: str, key: str) -> bool:
         if server.servers and server.servers[0].sockets:
             port = server.servers[0].sockets[0].getsockname()[1]
         display_host = f"[{host}]" if ":" in host else host
-        sys.stdout.write(f"FORKYARD_URL=http://{display_host}:{port}\nFORKYARD_API_KEY={key}\n")
+        state = getattr(server.config.app, "state", None)
+        grpc_port = getattr(state, "grpc_port", None)
+        grpc_line = f"FORKYARD_GRPC={state.settings.grpc_host}:{grpc_port}\n" if grpc_port else ""
+        sys.stdout.write(f"FORKYARD_URL=http://{display_host}:{port}\n{grpc_line}FORKYARD_API_KEY={key}\n")
         sys.stdout.flush()
     await task
     return bool(server.started)

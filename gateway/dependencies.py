@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -31,12 +31,17 @@ async def get_runtime(request: Request) -> WorkerRuntime:
     return runtime
 
 
+def step_gate_of(app: Any) -> StepGate:
+    """Return ``app``'s record of which sessions are stepping or closing (REST and gRPC share it)."""
+    gate = getattr(app.state, "step_gate", None)
+    if gate is None:
+        gate = app.state.step_gate = StepGate(write_behind=True)
+    return gate
+
+
 async def get_step_gate(request: Request) -> StepGate:
     """Return the app's record of which sessions are stepping or closing."""
-    gate = getattr(request.app.state, "step_gate", None)
-    if gate is None:
-        gate = request.app.state.step_gate = StepGate(write_behind=True)
-    return gate
+    return step_gate_of(request.app)
 
 
 DbSession = Annotated[AsyncSession, Depends(get_db_session)]

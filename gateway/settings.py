@@ -158,6 +158,12 @@ class Settings(BaseSettings):
     database_url: str | None = None
     """SQLAlchemy URL (sqlite:///... or postgresql://...); default: SQLite at ``data_dir/forkyard.db``."""
 
+    grpc_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port of the sessions' gRPC step channel (``FORKYARD_GRPC_PORT``; 0: any free port; None: off)."""
+
+    grpc_host: str = "127.0.0.1"
+    """Address the gRPC step channel listens on (``FORKYARD_GRPC_HOST``)."""
+
     redis_url: str | None = None
     """``redis://host:port/db`` shared by the gateways of a fleet (``FORKYARD_REDIS_URL``): finished
     episodes wake the streams and long-polls of every gateway at once. None (embedded): in-process only."""

@@ -1,0 +1,1 @@
+"""The sessions' step channel over gRPC (``sessions.proto``), served beside the REST API."""

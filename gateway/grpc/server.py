@@ -1,0 +1,94 @@
+"""The gRPC server of the sessions' step channel: ``Sessions.Attach``, one stream per session.
+
+A step through it is the same call as ``POST /v1/sessions/{id}/step`` (the same service
+function, step gate and records) without HTTP's per-request parsing, routing and
+response building; errors come back in-band, as the REST API's code and message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from fastapi import FastAPI
+
+from gateway.auth import service as auth_service
+from gateway.dependencies import step_gate_of
+from gateway.errors import GatewayError, map_foreign_error
+from gateway.grpc.codegen import modules
+from gateway.sessions import service as sessions_service
+
+logger = logging.getLogger(__name__)
+
+pb2, pb2_grpc = modules()
+
+#: Metadata key naming the session a stream steps.
+SESSION_KEY = "x-forkyard-session"
+
+
+class SessionsServicer(pb2_grpc.SessionsServicer):  # type: ignore[misc,name-defined]
+    """Steps sessions of the app's runtime; reads what the lifespan built from ``app.state``."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self._app = app
+
+    async def Attach(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        state = self._app.state
+        metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+        key = metadata.get("authorization", "").removeprefix("Bearer ").strip()
+        async with state.sessionmaker() as db:
+            if not key or await auth_service.authenticated_key_id(db_session=db, key=key) is None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                    "Missing or invalid API key: send metadata `authorization: Bearer <key>`.")
+            session_id = metadata.get(SESSION_KEY, "")
+            if not session_id:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Send metadata `{SESSION_KEY}: <session id>`.")
+            try:
+                await sessions_service.get_session(db_session=db, session_id=session_id)
+            except GatewayError as exc:
+                await context.abort(grpc.StatusCode.NOT_FOUND, exc.message)
+        runtime = state.runtime
+        gate = step_gate_of(self._app)
+        async for request in request_iterator:
+            try:
+                arguments = json.loads(request.arguments_json or "{}")
+                if not isinstance(arguments, dict):
+                    raise GatewayError(422, "validation_error", "arguments_json must be a JSON object.")
+                async with state.sessionmaker() as db:
+                    result = await sessions_service.step_session(
+                        db_session=db, runtime=runtime, session_id=session_id, tool=request.tool,
+                        arguments=arguments, gate=gate,
+                    )
+                reply = pb2.StepReply(seq=request.seq, observation=result.observation, terminated=result.terminated,
+                                      truncated=result.truncated, info_json=json.dumps(result.info, default=str))
+                if result.reward is not None:
+                    reply.reward = float(result.reward)
+                yield reply
+            except json.JSONDecodeError as exc:
+                yield _error(request.seq, GatewayError(422, "validation_error", f"arguments_json is not JSON: {exc}."))
+            except Exception as exc:
+                mapped = map_foreign_error(exc)
+                if mapped is None:
+                    logger.exception("gRPC step of session %s failed", session_id)
+                    mapped = GatewayError(500, "internal_error", "An internal error occurred.")
+                yield _error(request.seq, mapped)
+
+
+def _error(seq: int, error: GatewayError) -> Any:
+    return pb2.StepReply(seq=seq, error=pb2.Error(code=error.code, message=error.message, status=error.status))
+
+
+async def start_server(app: FastAPI, host: str, port: int, *, max_message_bytes: int) -> tuple[grpc.aio.Server, int]:
+    """Serve ``Sessions`` for ``app`` on ``host:port`` (0: any free port); return the server and its port."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+                                      ("grpc.max_send_message_length", max_message_bytes)])
+    pb2_grpc.add_SessionsServicer_to_server(SessionsServicer(app), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen for gRPC on {host}:{port}")
+    await server.start()
+    logger.info("gRPC sessions channel on %s:%d", host, bound)
+    return server, bound
