@@ -206,6 +206,30 @@ def describe(exc: ValidationError, what: str) -> str:
     return text + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
 
 
+class RolloutJob(BaseModel):
+    """What every episode of one rollout runs with: the policy, the agent, the limits, the tree."""
+
+    rollout_id: str
+    policy: PolicySpec
+    """With its ``api_key``: the gateway stores the key apart and puts it back for the workers."""
+    agent: AgentSpec = Field(default_factory=AgentSpec)
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    branching: BranchingSpec | None = None
+    lazy_fork: bool = False
+    max_staleness: int | None = Field(default=None, ge=0)
+
+
+class EpisodeJob(BaseModel):
+    """One episode (one attempt of one sample) to run under its rollout's :class:`RolloutJob`."""
+
+    episode_id: str
+    task_id: str
+    root_episode_id: str | None = None
+    """The trunk of the episode's trajectory tree (branching rollouts)."""
+    env_version: str = ""
+    """The environment's ``name@version``, part of the setup cache key."""
+
+
 class StepRecord(BaseModel):
     """One policy turn: the exact LLM call, the action it produced and what came back."""
 

@@ -33,24 +33,24 @@ from gateway.rollouts.reporting import DatabaseReporter, PolicyStates
 from gateway.tasks import service as tasks_service
 from gateway.tasks.models import Task
 from sandboxes.base import LABEL_OWNER
-from workers.branching import BranchingSpec, Tree
-from workers.envs.registry import family_of
 from workers.errors import WorkerError
-from workers.policy import create_policy_client
-from workers.policy.base import PolicyClient, Sampling
-from workers.protocol import EpisodeStatus, PolicySpec, describe
-from workers.runner import (
-    AgentSettings,
-    StageLimits,
-    infra_failure,
-    run_episode,
+from workers.jobs import RolloutPlan, run_job
+from workers.protocol import (
+    AgentSpec,
+    BranchingSpec,
+    EpisodeJob,
+    EpisodeStatus,
+    LimitsSpec,
+    PolicySpec,
+    RolloutJob,
+    describe,
 )
+from workers.runner import StageLimits, infra_failure
 
 if TYPE_CHECKING:
     from gateway.episodes.models import Episode
     from gateway.rollouts.models import Rollout
     from workers.envs.base import EnvTask
-    from workers.policy.chat_template import ChatTokenizer
     from workers.runtime import WorkerRuntime
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class Dispatcher:
         try:
             async with self._sessionmaker() as db:
                 rollout = await rollouts_service.get_rollout(db_session=db, rollout_id=rollout_id)
-            plan = await _Plan.load(rollout)
+            plan = await RolloutPlan.load(_rollout_job(rollout))
         except (WorkerError, ValueError) as exc:
             logger.warning("rollout %s cannot run: %s", rollout_id, exc)
             async with self._sessionmaker() as db:
@@ -209,7 +209,7 @@ class Dispatcher:
         return sorted(members, key=lambda e: e.sample_index) or [episode]
 
     async def _run_shared_group(
-        self, rollout: Rollout, plan: _Plan, episodes: list[Episode], task: EnvTask, env_version: str
+        self, rollout: Rollout, plan: RolloutPlan, episodes: list[Episode], task: EnvTask, env_version: str
     ) -> None:
         """Run a group's samples on one shared sandbox that forks where their actions diverge."""
         from workers.shared_env import SharedEnvGroup
@@ -242,37 +242,18 @@ class Dispatcher:
             logger.info("group %s: %s", episodes[0].group_id, group.stats)
 
     async def _run_episode(
-        self, rollout: Rollout, plan: _Plan, episode: Episode, task: EnvTask, env_version: str, *,
+        self, rollout: Rollout, plan: RolloutPlan, episode: Episode, task: EnvTask, env_version: str, *,
         stages: StageLimits | None = None, env_factory: Any = None,
     ) -> None:
         reporter = DatabaseReporter(self._sessionmaker, node=self._node, policy_name=rollout.policy_name,
                                     policies=self.policies, on_store_failure=self._store_failed)
-        tree = None
-        if plan.branching is not None:
-            tree = Tree(plan.branching, root_episode_id=episode.root_episode_id or episode.id, reporter=reporter,
-                        delete_snapshot=self._runtime.delete_snapshot)
+        job = EpisodeJob(episode_id=episode.id, task_id=episode.task_id, root_episode_id=episode.root_episode_id,
+                         env_version=env_version)
         try:
-            policy = plan.policy_for(task)
-            try:
-                result = await run_episode(
-                    episode_id=episode.id, task=task, runtime=self._runtime, policy=policy,
-                    settings=plan.settings, sampling=plan.sampling, tokenizer=plan.tokenizer,
-                    stages=stages or self._stages, reporter=reporter, max_staleness=rollout.max_staleness,
-                    labels={"forkyard.rollout": rollout.id}, env_version=env_version, tree=tree,
-                    env_factory=env_factory,
-                )
-                if tree is not None:
-                    result.info["tree"] = {"episodes": tree.episodes, "branch_points": tree.branch_points}
-                try:
-                    await reporter.finish(episode.id, result)
-                finally:  # the branches use the policy and the tree's snapshots: wait for them in any case
-                    if tree is not None:
-                        await tree.join()
-            finally:
-                if policy is not plan.shared_policy:
-                    await policy.aclose()
+            await run_job(job, plan=plan, task=task, runtime=self._runtime, reporter=reporter,
+                          stages=stages or self._stages, env_factory=env_factory)
         except asyncio.CancelledError:
-            branches = await self._cancel_tree(tree)
+            branches = await self._running_branches(job.root_episode_id or job.episode_id) if plan.branching else []
             if self._closed:
                 raise  # shutdown: left running, failed (or requeued) at the next start
             await self._fail([episode.id, *branches], "cancelled", "the rollout was cancelled while the episode ran")
@@ -298,88 +279,30 @@ class Dispatcher:
             except Exception:
                 logger.exception("episode %s: marking it failed (%s) failed", episode_id, error)
 
-    async def _cancel_tree(self, tree: Tree | None) -> list[str]:
-        """Stop a tree's branches; return the ids of those still running."""
-        if tree is None:
-            return []
-        await asyncio.shield(tree.cancel())
+    async def _running_branches(self, root_episode_id: str) -> list[str]:
+        """Return the ids of a tree's branches still marked running (its trunk left out)."""
         async with self._sessionmaker() as db:
             rows = await episodes_service.list_tree_episodes(
-                db_session=db, root_episode_id=tree.root_episode_id, status=EpisodeStatus.RUNNING)
-        return [e.id for e in rows if e.id != tree.root_episode_id]
+                db_session=db, root_episode_id=root_episode_id, status=EpisodeStatus.RUNNING)
+        return [e.id for e in rows if e.id != root_episode_id]
 
 
 async def _ready(member: Any) -> Any:
     return member
 
 
-class _Plan:
-    """What every episode of one rollout shares: policy client, tokenizer, agent settings."""
-
-    def __init__(
-        self,
-        spec: PolicySpec,
-        api_key: str | None,
-        settings: AgentSettings,
-        sampling: Sampling,
-        tokenizer: ChatTokenizer | None,
-        shared_policy: PolicyClient | None,
-        branching: BranchingSpec | None = None,
-        lazy_fork: bool = False,
-    ) -> None:
-        self.spec = spec
-        self.api_key = api_key
-        self.settings = settings
-        self.sampling = sampling
-        self.tokenizer = tokenizer
-        self.shared_policy = shared_policy
-        self.branching = branching
-        self.lazy_fork = lazy_fork
-
-    def shares_sandboxes(self, task: EnvTask) -> bool:
-        """Tell whether a group of ``task`` runs on one lazily forked sandbox."""
-        return self.lazy_fork and self.branching is None and family_of(task).deterministic(task)
-
-    @classmethod
-    async def load(cls, rollout: Rollout) -> _Plan:
-        """Build the plan, loading the tokenizer off the event loop; raise WorkerError if it cannot run."""
-        try:
-            spec = PolicySpec.from_stored(rollout.policy)
-        except ValidationError as exc:
-            raise WorkerError(describe(exc, "policy")) from exc
-        if rollout.policy_api_key:
-            register_secret(rollout.policy_api_key)
-        settings = AgentSettings.from_spec(rollout.agent, rollout.limits)
-        sampling = Sampling.from_dict(spec.sampling)
-        tokenizer = None
-        if spec.api == "tokens":
-            from workers.policy.chat_template import load_chat_tokenizer
-
-            source = spec.tokenizer or spec.model
-            try:
-                tokenizer = await asyncio.to_thread(load_chat_tokenizer, source)
-            except WorkerError:
-                raise
-            except Exception as exc:  # transformers raises OSError/ValueError for a bad path
-                raise WorkerError(f"cannot load the tokenizer {source!r}: {exc}") from exc
-        shared = None
-        if spec.api != "scripted" or spec.actions:
-            shared = create_policy_client(spec, tokenizer=tokenizer, tool_call_format=settings.tool_call_format,
-                                          api_key=rollout.policy_api_key)
-        branching = BranchingSpec.from_dict(rollout.branching) if rollout.branching else None
-        return cls(spec, rollout.policy_api_key, settings, sampling, tokenizer, shared, branching,
-                   bool(rollout.lazy_fork))
-
-    def policy_for(self, task: EnvTask) -> PolicyClient:
-        """Return the client for an episode of ``task`` (a fresh one for oracle replays)."""
-        if self.shared_policy is not None:
-            return self.shared_policy
-        return create_policy_client(
-            self.spec, task=task, tokenizer=self.tokenizer, tool_call_format=self.settings.tool_call_format,
-            api_key=self.api_key,
+def _rollout_job(rollout: Rollout) -> RolloutJob:
+    """Return what the rollout's episodes run with, from its row (the API key put back); raise WorkerError if invalid."""
+    policy = dict(rollout.policy)
+    if rollout.policy_api_key:
+        register_secret(rollout.policy_api_key)
+        policy["api_key"] = rollout.policy_api_key
+    try:
+        return RolloutJob(
+            rollout_id=rollout.id, policy=PolicySpec.from_stored(policy), agent=AgentSpec.from_stored(rollout.agent),
+            limits=LimitsSpec.from_stored(rollout.limits),
+            branching=BranchingSpec.from_stored(rollout.branching) if rollout.branching else None,
+            lazy_fork=bool(rollout.lazy_fork), max_staleness=rollout.max_staleness,
         )
-
-    async def aclose(self) -> None:
-        if self.shared_policy is not None:
-            await self.shared_policy.aclose()
-
+    except ValidationError as exc:
+        raise WorkerError(describe(exc, f"rollout {rollout.id}")) from exc

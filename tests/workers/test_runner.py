@@ -15,8 +15,10 @@ from sandboxes.errors import BackendUnavailableError
 from tests.conftest import base_image
 from workers.branching import BranchingSpec, Tree
 from workers.envs.terminal.task import load_task_dir
+from workers.jobs import RolloutPlan, run_job
 from workers.policy import create_policy_client
 from workers.policy.base import Sampling
+from workers.protocol import EpisodeJob, RolloutJob
 from workers.reporting import MemoryReporter
 from workers.runner import AgentSettings, StageLimits, run_episode
 from workers.runtime import WorkerRuntime
@@ -199,3 +201,25 @@ async def test_an_episode_past_max_staleness_stops_at_dispatch(runtime):
     assert (result.status, result.termination, len(steps)) == ("stale", "stale", 1)
     assert "oldest turn at version 0, policy at 3 (max_staleness 2)" in result.error
 
+
+
+async def test_a_wire_job_runs_without_a_gateway_and_reports_its_tree(runtime):
+    """The data plane alone: a RolloutJob + EpisodeJob, a task and a reporter are all an episode needs."""
+    actions = [{"tool": "bash", "arguments": {"command": f"echo {i} >> /tmp/log"}} for i in range(2)]
+    actions.append({"tool": "submit", "arguments": {}})
+    rollout = RolloutJob(rollout_id="ro_1", policy={"name": "test", "api": "scripted", "actions": actions},
+                         agent={"max_turns": 4}, branching={"at_turns": [1], "fanout": 3})
+    plan = await RolloutPlan.load(rollout)
+    reporter = MemoryReporter()
+    try:
+        await run_job(EpisodeJob(episode_id="ep_trunk", task_id="t1"), plan=plan, task=TASK, runtime=runtime,
+                      reporter=reporter, stages=StageLimits())
+    finally:
+        await plan.aclose()
+    assert reporter.spawned == [("ep_trunk", 1, 2)]
+    assert set(reporter.results) == {"ep_trunk", *(f"ep_trunk.1.{i}" for i in (1, 2))}
+    trunk = reporter.results["ep_trunk"]
+    assert trunk.info["tree"]["episodes"] == 3 and len(reporter.steps["ep_trunk"]) == 3
+    # Every leaf ran the same actions from its copy of the sandbox: submitted, and scored by the verifier.
+    assert {(r.status, r.termination, r.reward) for r in reporter.results.values()} == {("completed", "submitted", 0.0)}
+    assert [s for s in await runtime.backend.list_snapshots() if "forkyard.tree" in s.metadata] == []
