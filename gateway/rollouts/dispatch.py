@@ -1,4 +1,9 @@
-"""The in-process dispatcher (embedded mode): runs the episodes of active rollouts.
+"""The in-process dispatcher (embedded mode): schedules the episodes of active rollouts.
+
+It decides what runs (queued episodes, concurrency, lazy-fork groups, drain) and hands
+each episode to the data plane as an :class:`~workers.protocol.EpisodeJob` under its
+rollout's :class:`~workers.protocol.RolloutJob`; :func:`workers.jobs.run_job` runs it and
+reports through a :class:`~gateway.rollouts.reporting.DatabaseReporter`.
 
 It owns no state of its own that matters after a crash: every decision is read from and
 written to the database through the episode and rollout services, so a restarted
