@@ -11,9 +11,11 @@ rollout in a :class:`RolloutPlan`, so the executor schedules and this module run
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from sandboxes.base import LABEL_OWNER
 from workers.branching import BranchingSpec, Tree
 from workers.envs.registry import family_of
 from workers.errors import WorkerError
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
     from workers.envs.base import EnvTask
     from workers.policy.chat_template import ChatTokenizer
     from workers.runtime import WorkerRuntime
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutPlan:
@@ -135,4 +139,59 @@ async def run_job(
         raise
 
 
-__all__ = ["RolloutPlan", "run_job"]
+#: Runs one member of a shared group: its job, the group's private stage limits, the env factory.
+MemberRunner = Callable[[EpisodeJob, StageLimits, Callable[[], Awaitable[Any]]], Awaitable[None]]
+
+
+async def run_shared_group(
+    jobs: list[EpisodeJob],
+    *,
+    plan: RolloutPlan,
+    task: EnvTask,
+    runtime: WorkerRuntime,
+    group_id: str,
+    agent_slot: asyncio.Semaphore,
+    run_member: MemberRunner,
+    on_image_failure: Callable[[Exception], Awaitable[None]],
+) -> None:
+    """Run a group's samples on one shared sandbox that forks where their actions diverge (lazy fork).
+
+    The group takes one agent slot: its members wait for each other at every step, so they
+    get private stage limits and must never queue behind each other. ``run_member`` runs
+    each member's job (normally :func:`run_job` plus the executor's own failure handling)
+    with the env factory of its place in the group. If the task's image cannot be built,
+    no member starts and ``on_image_failure`` gets the error (every member fails with it,
+    as a single episode's failed build would).
+    """
+    from workers.shared_env import SharedEnvGroup
+
+    labels = {LABEL_OWNER: group_id, "forkyard.task": task.name, "forkyard.rollout": plan.job.rollout_id}
+    try:
+        image = await runtime.task_image(task)
+    except Exception as exc:
+        logger.warning("group %s: no image for task %s: %s", group_id, task.name, exc)
+        await on_image_failure(exc)
+        return
+    env_version = jobs[0].env_version
+
+    async def new_env() -> Any:
+        return runtime.new_env(task, image=image, labels=labels, env_version=env_version)
+
+    group = SharedEnvGroup(new_env, size=len(jobs), ctx=runtime.ctx, task=task, labels=labels)
+    private = StageLimits.of(setup=len(jobs), agent=len(jobs), verify=len(jobs))
+
+    def member_env(i: int) -> Callable[[], Awaitable[Any]]:
+        async def factory() -> Any:
+            return group.member(i)
+
+        return factory
+
+    try:
+        async with agent_slot:
+            await asyncio.gather(*(run_member(job, private, member_env(i)) for i, job in enumerate(jobs)))
+    finally:
+        await group.aclose()
+        logger.info("group %s: %s", group_id, group.stats)
+
+
+__all__ = ["MemberRunner", "RolloutPlan", "run_job", "run_shared_group"]

@@ -15,7 +15,7 @@ Two ways of running episodes share sandboxes:
   the trunk episode forks branch episodes, which this dispatcher stores as they appear.
 - Groups of a task that declares deterministic tools (``[environment]
   deterministic_tools = true``) run as one unit on a
-  :class:`~workers.shared_env.SharedEnvGroup` (lazy fork), unless the rollout turns
+  :class:`~workers.shared_env.SharedEnvGroup` (lazy fork, :func:`workers.jobs.run_shared_group`), unless the rollout turns
   ``lazy_fork`` off. The group takes one concurrency slot and one agent slot: its samples
   wait for each other at every step, so they must never queue behind each other.
 """
@@ -37,9 +37,8 @@ from gateway.rollouts import service as rollouts_service
 from gateway.rollouts.reporting import DatabaseReporter, PolicyStates
 from gateway.tasks import service as tasks_service
 from gateway.tasks.models import Task
-from sandboxes.base import LABEL_OWNER
 from workers.errors import WorkerError
-from workers.jobs import RolloutPlan, run_job
+from workers.jobs import RolloutPlan, run_job, run_shared_group
 from workers.protocol import (
     AgentSpec,
     BranchingSpec,
@@ -217,34 +216,19 @@ class Dispatcher:
         self, rollout: Rollout, plan: RolloutPlan, episodes: list[Episode], task: EnvTask, env_version: str
     ) -> None:
         """Run a group's samples on one shared sandbox that forks where their actions diverge."""
-        from workers.shared_env import SharedEnvGroup
+        by_id = {e.id: e for e in episodes}
+        jobs = [_episode_job(e, env_version) for e in episodes]
 
-        runtime = self._runtime
-        labels = {LABEL_OWNER: episodes[0].group_id, "forkyard.task": task.name, "forkyard.rollout": rollout.id}
-        try:
-            image = await runtime.task_image(task)
-        except Exception as exc:  # as a single episode's failed image build would: every member fails with it
-            logger.warning("group %s: no image for task %s: %s", episodes[0].group_id, task.name, exc)
+        async def member(job: EpisodeJob, stages: StageLimits, env_factory: Any) -> None:
+            await self._run_episode(rollout, plan, by_id[job.episode_id], task, env_version, stages=stages,
+                                    env_factory=env_factory)
+
+        async def no_image(exc: Exception) -> None:
             await self._fail([e.id for e in episodes], "error", f"{type(exc).__name__}: {exc}",
                              infra=infra_failure(exc))
-            return
 
-        async def new_env() -> Any:
-            return runtime.new_env(task, image=image, labels=labels, env_version=env_version)
-
-        group = SharedEnvGroup(new_env, size=len(episodes), ctx=runtime.ctx, task=task, labels=labels)
-        # Members wait for each other at every step: private stage limits, one real agent slot for all.
-        private = StageLimits.of(setup=len(episodes), agent=len(episodes), verify=len(episodes))
-        try:
-            async with self._stages.agent:
-                await asyncio.gather(*(
-                    self._run_episode(rollout, plan, episode, task, env_version, stages=private,
-                                      env_factory=lambda i=i: _ready(group.member(i)))
-                    for i, episode in enumerate(episodes)
-                ))
-        finally:
-            await group.aclose()
-            logger.info("group %s: %s", episodes[0].group_id, group.stats)
+        await run_shared_group(jobs, plan=plan, task=task, runtime=self._runtime, group_id=episodes[0].group_id,
+                               agent_slot=self._stages.agent, run_member=member, on_image_failure=no_image)
 
     async def _run_episode(
         self, rollout: Rollout, plan: RolloutPlan, episode: Episode, task: EnvTask, env_version: str, *,
@@ -252,8 +236,7 @@ class Dispatcher:
     ) -> None:
         reporter = DatabaseReporter(self._sessionmaker, node=self._node, policy_name=rollout.policy_name,
                                     policies=self.policies, on_store_failure=self._store_failed)
-        job = EpisodeJob(episode_id=episode.id, task_id=episode.task_id, root_episode_id=episode.root_episode_id,
-                         env_version=env_version)
+        job = _episode_job(episode, env_version)
         try:
             await run_job(job, plan=plan, task=task, runtime=self._runtime, reporter=reporter,
                           stages=stages or self._stages, env_factory=env_factory)
@@ -292,8 +275,9 @@ class Dispatcher:
         return [e.id for e in rows if e.id != root_episode_id]
 
 
-async def _ready(member: Any) -> Any:
-    return member
+def _episode_job(episode: Episode, env_version: str) -> EpisodeJob:
+    return EpisodeJob(episode_id=episode.id, task_id=episode.task_id, root_episode_id=episode.root_episode_id,
+                      env_version=env_version)
 
 
 def _rollout_job(rollout: Rollout) -> RolloutJob:

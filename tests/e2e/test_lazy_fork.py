@@ -101,4 +101,6 @@ def test_a_group_whose_image_cannot_build_fails_its_episodes(client, tmp_path):
     episodes = list(client.episodes.list(rollout_id=rollout.id))
     assert len(episodes) == 3 and {e.status for e in episodes} == {"failed"}
     for episode in episodes:
-        assert "RUN failed with exit code 3" in client.episodes.get(episode.id).error
+        detail = client.episodes.get(episode.id)
+        assert "RUN failed with exit code 3" in detail.error
+        assert detail.info["infra"] is True  # the image's failure, not the policy's
