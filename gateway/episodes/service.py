@@ -554,12 +554,14 @@ async def finish_episode(
     return episode
 
 
-async def requeue_interrupted(*, db_session: AsyncSession, node: str | None = None) -> int:
+async def requeue_interrupted(
+    *, db_session: AsyncSession, node: str | None = None, error: str = INTERRUPTED_ERROR
+) -> int:
     """Fail the episodes a crash left ``running`` and queue a new attempt where attempts remain.
 
-    Call it at gateway start, before the dispatcher resumes the rollouts still running.
-    With ``node``, only episodes started on that node are touched. Returns how many
-    episodes were interrupted.
+    Call it at gateway start, before the dispatcher resumes the rollouts still running, and
+    for a node found down (``error`` then says so). With ``node``, only episodes started on
+    that node are touched. Returns how many episodes were interrupted.
     """
     stmt = select(Episode.id, Episode.rollout_id).where(Episode.status == EpisodeStatus.RUNNING)
     if node is not None:
@@ -578,15 +580,15 @@ async def requeue_interrupted(*, db_session: AsyncSession, node: str | None = No
                 continue
             episode.status = EpisodeStatus.FAILED
             episode.termination = Termination.ERROR
-            episode.error = INTERRUPTED_ERROR
+            episode.error = error
             episode.finished_at = now
             await _settle(db_session, rollout, episode, now, retry_failed=True)
             interrupted += 1
         await db_session.commit()
         rollout_events.notify(rollout_id)
     if interrupted:
-        logger.warning("%d episode(s) were interrupted by a restart and failed (reruns queued where attempts "
-                       "remain)", interrupted)
+        logger.warning("%d episode(s) were interrupted (%s) and failed; reruns queued where attempts remain",
+                       interrupted, error)
     return interrupted
 
 

@@ -50,8 +50,10 @@ class Heartbeat:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.beat()
+                async with self._sessionmaker() as db:
+                    await service.settle_down_nodes(db_session=db, exclude=self.node)
             except Exception:  # a database hiccup must not end the heartbeats for good
-                logger.warning("node %s: heartbeat failed", self.node, exc_info=True)
+                logger.warning("node %s: heartbeat (or settling the nodes found down) failed", self.node, exc_info=True)
 
     async def aclose(self) -> None:
         if self._task is not None:

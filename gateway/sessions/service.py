@@ -382,6 +382,17 @@ async def recover_node(*, db_session: AsyncSession, runtime: WorkerRuntime, node
     await _collect_snapshots(db_session, runtime, node)
 
 
+async def fail_node_sessions(*, db_session: AsyncSession, node: str, error: str) -> int:
+    """End every session still open on ``node`` as ``failed`` with ``error`` (a node found down); return how many."""
+    open_ids = await _open_session_ids(db_session, node)
+    await db_session.commit()
+    for session_id in open_ids:
+        await _finish(db_session, session_id, SessionState.FAILED, error=error)
+    if open_ids:
+        logger.warning("node %s: marked %d open session(s) failed: %s", node, len(open_ids), error)
+    return len(open_ids)
+
+
 async def _open_session_ids(db_session: AsyncSession, node: str) -> list[str]:
     stmt = select(EnvSession.id).where(EnvSession.node == node, EnvSession.state == SessionState.OPEN)
     return list((await db_session.scalars(stmt)).all())

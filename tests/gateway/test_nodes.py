@@ -79,3 +79,38 @@ def test_cli_lists_and_drains_nodes(tmp_path):
     assert cli("nodes", "undrain", "host-a").returncode == 0
     assert cli("nodes", "list").stdout.split()[1] == "up"
 
+
+
+async def test_the_work_of_a_node_found_down_is_handed_on(tmp_path):
+    from gateway.episodes import service as episodes_service
+    from gateway.sessions.models import EnvSession, SessionState
+    from tests.gateway.rollout_helpers import create_rollout, episodes_of, import_tasks, recording_dispatcher
+
+    app = create_app(make_settings(tmp_path, nodes={"heartbeat_s": 0.2}), runtime=FakeRuntime())
+    async with app.router.lifespan_context(app), asgi_client(app) as client:
+        with recording_dispatcher(app):
+            sm = app.state.sessionmaker
+            (task_id,) = await import_tasks(client, ["a"])
+            rollout = await create_rollout(client, [task_id], group_size=1, max_attempts=2)
+            (episode,) = await episodes_of(sm, rollout["id"])
+            async with sm() as db:
+                # Another host took the episode and opened a session, then stopped beating (for 13 s > 2.5 x 5 s).
+                db.add(Node(name="dead-host", backend="local", capacity=4, load={}, heartbeat_s=5.0,
+                            heartbeat_at=utcnow() - timedelta(seconds=13), started_at=utcnow(), draining=False))
+                db.add(EnvSession(id="sess_on_dead_host", task_id=task_id, state=SessionState.OPEN, node="dead-host",
+                                  steps=0, created_at=utcnow()))
+                await db.commit()
+                assert await episodes_service.mark_episode_running(db_session=db, episode_id=episode.id,
+                                                                   node="dead-host")
+            for _ in range(50):  # a few of this gateway's heartbeats (bounded: 5 s)
+                rows = await episodes_of(sm, rollout["id"])
+                if len(rows) == 2:
+                    break
+                await asyncio.sleep(0.1)
+            assert [(r.attempt, r.status.value) for r in rows] == [(1, "failed"), (2, "queued")]
+            assert "node dead-host is down" in rows[0].error
+            session = (await client.get("/v1/sessions/sess_on_dead_host")).json()
+            assert session["state"] == "failed" and "node dead-host is down" in session["error"]
+            # This gateway's own node is never settled, and a second pass finds nothing left to do.
+            async with sm() as db:
+                assert await service.settle_down_nodes(db_session=db, exclude=NODE) == []
