@@ -28,6 +28,8 @@ class LiveGateway:
     data_dir: Path
     log: Path
     process: subprocess.Popen
+    grpc: str = ""
+    """``host:port`` of the sessions' gRPC step channel (every live gateway serves one)."""
 
     def crash(self) -> None:
         """SIGKILL the gateway's whole process group, as a crash or an OOM kill would."""
@@ -61,10 +63,11 @@ def run_gateway(backend: str, data_dir: Path, *, node: str | None, timeout_s: fl
              "--backend", backend],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             env={**{k: v for k, v in os.environ.items() if k != "FORKYARD_NODE"},
-                 **({"FORKYARD_NODE": node} if node is not None else {})},
+                 **({"FORKYARD_NODE": node} if node is not None else {}), "FORKYARD_GRPC_PORT": "0"},
         )
     try:
         url = key = None
+        grpc = ""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and (url is None or key is None):
             if proc.poll() is not None:
@@ -74,12 +77,15 @@ def run_gateway(backend: str, data_dir: Path, *, node: str | None, timeout_s: fl
                     url = line.split("=", 1)[1].strip()
                 elif line.startswith("FORKYARD_API_KEY="):
                     key = line.split("=", 1)[1].strip()
+                elif line.startswith("FORKYARD_GRPC="):
+                    grpc = line.split("=", 1)[1].strip()
             time.sleep(0.2)
         if url is None or key is None:
             raise RuntimeError(f"forkyard up did not get ready in {timeout_s}s:\n{log.read_text()[-4000:]}")
         if node is None:
             node = (data_dir / "node").read_text().strip()
-        yield LiveGateway(url=url, api_key=key, backend=backend, node=node, data_dir=data_dir, log=log, process=proc)
+        yield LiveGateway(url=url, api_key=key, backend=backend, node=node, data_dir=data_dir, log=log, process=proc,
+                          grpc=grpc)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

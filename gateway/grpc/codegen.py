@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -32,15 +34,21 @@ def generate() -> Path:
             return OUT
         from grpc_tools import protoc
 
-        OUT.mkdir(exist_ok=True)
-        args = ["protoc", f"-I{HERE}", f"--python_out={OUT}", f"--grpc_python_out={OUT}", str(PROTO)]
-        if protoc.main(args) != 0:
-            raise RuntimeError(f"grpc_tools.protoc failed on {PROTO}")
-        stub = OUT / "sessions_pb2_grpc.py"
-        # The generated stub imports its messages as a top-level module: make it relative.
-        stub.write_text(stub.read_text().replace("import sessions_pb2 as", "from . import sessions_pb2 as"))
-        (OUT / "__init__.py").write_text('"""Generated from gateway/grpc/sessions.proto; not committed."""\n')
-        stamp.write_text(_digest() + "\n")
+        # Made aside and moved in file by file: another process (two gateways starting at
+        # once) never imports a half-written module.
+        with tempfile.TemporaryDirectory(dir=HERE, prefix="_generated.tmp-") as tmp:
+            work = Path(tmp)
+            args = ["protoc", f"-I{HERE}", f"--python_out={work}", f"--grpc_python_out={work}", str(PROTO)]
+            if protoc.main(args) != 0:
+                raise RuntimeError(f"grpc_tools.protoc failed on {PROTO}")
+            stub = work / "sessions_pb2_grpc.py"
+            # The generated stub imports its messages as a top-level module: make it relative.
+            stub.write_text(stub.read_text().replace("import sessions_pb2 as", "from . import sessions_pb2 as"))
+            (work / "__init__.py").write_text('"""Generated from gateway/grpc/sessions.proto; not committed."""\n')
+            (work / "PROTO_HASH").write_text(_digest() + "\n")
+            OUT.mkdir(exist_ok=True)
+            for name in ("__init__.py", "sessions_pb2.py", "sessions_pb2_grpc.py", "PROTO_HASH"):
+                os.replace(work / name, OUT / name)  # the hash last: it says the rest is complete
         return OUT
 
 

@@ -91,3 +91,38 @@ def test_sandboxes_listing_shows_live_sessions(client, imported):
         rows = [r for r in client.sandboxes.list() if r.session_id == s.id]
         assert len(rows) == 1
         assert rows[0].state in ("ready", "busy") and rows[0].task_name == TASK_NAMES[0]
+
+
+def test_the_oracle_over_the_grpc_step_channel_scores_one(client, imported, live_gateway):
+    """A real sandbox stepped through Sessions.Attach: the same observations, records and reward as REST."""
+    import asyncio
+    import json
+
+    import grpc
+
+    from gateway.grpc.codegen import modules
+
+    pb2, pb2_grpc = modules()
+    name = TASK_NAMES[0]
+    session = client.sessions.create(imported[name])
+
+    async def steps() -> list:
+        async with grpc.aio.insecure_channel(live_gateway.grpc) as channel:
+            call = pb2_grpc.SessionsStub(channel).Attach(
+                metadata=(("authorization", f"Bearer {live_gateway.api_key}"), ("x-forkyard-session", session.id)))
+            replies = []
+            for seq, (tool, args) in enumerate([("bash", {"command": "cd /tmp && export MARK=1"}),
+                                                ("bash", {"command": "echo $MARK; pwd"}),
+                                                ("bash", {"command": oracle_command(name), "timeout": 120}),
+                                                ("submit", {})]):
+                await call.write(pb2.StepRequest(seq=seq, tool=tool, arguments_json=json.dumps(args)))
+                replies.append(await call.read())
+            await call.done_writing()
+            return replies
+
+    replies = asyncio.run(steps())
+    assert not any(r.HasField("error") for r in replies), replies
+    assert replies[1].observation.split()[:2] == ["1", "/tmp"]  # one persistent shell, as through REST
+    assert replies[3].terminated and replies[3].reward == 1.0
+    assert client.sessions.get(session.id).state == "terminated"
+    assert [s.action["tool"] for s in client.sessions.steps(session.id)] == ["bash", "bash", "bash", "submit"]
