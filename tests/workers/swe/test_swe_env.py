@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -58,17 +59,22 @@ async def _bash(env: SWEEnv, command: str) -> str:
 
 
 async def test_every_shipped_instance_is_resolved_by_its_gold_patch_and_not_by_nothing(harness: Harness) -> None:
-    for task in harness.tasks.values():
-        async with harness.env(task) as env:
-            solved = await run_actions(env, FAMILY.oracle(task))
-        assert solved.reward == 1.0 and solved.terminated, (task.instance_id, solved.info)
-        grading = solved.info["grading"]
-        assert grading["resolved"] and grading["fail_to_pass"] == 1.0 and grading["patch_applied"]
-        async with harness.env(task) as env:
-            empty = await env.step(Action("submit", {}))
-        assert empty.reward == 0.0, (task.instance_id, empty.info)
-        assert empty.info["grading"]["FAIL_TO_PASS"]["failure"], empty.info
-        assert empty.info["grading"]["pass_to_pass"] == 1.0, empty.info  # the bug breaks only what it should
+    slots = asyncio.Semaphore(3)  # instances side by side; each one's two episodes in order (gold, then empty)
+
+    async def check(task) -> None:
+        async with slots:
+            async with harness.env(task) as env:
+                solved = await run_actions(env, FAMILY.oracle(task))
+            assert solved.reward == 1.0 and solved.terminated, (task.instance_id, solved.info)
+            grading = solved.info["grading"]
+            assert grading["resolved"] and grading["fail_to_pass"] == 1.0 and grading["patch_applied"]
+            async with harness.env(task) as env:
+                empty = await env.step(Action("submit", {}))
+            assert empty.reward == 0.0, (task.instance_id, empty.info)
+            assert empty.info["grading"]["FAIL_TO_PASS"]["failure"], empty.info
+            assert empty.info["grading"]["pass_to_pass"] == 1.0, empty.info  # the bug breaks only what it should
+
+    await asyncio.gather(*(check(task) for task in harness.tasks.values()))
     # Every reset after the first of an instance restored the setup cache's snapshot.
     counters = harness.runtime.counters
     assert counters["setup_cache_hits"] >= len(harness.tasks) and counters["setup_runs"] == len(harness.tasks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import asyncio
 import os
 import subprocess
 import uuid
@@ -97,17 +98,25 @@ def test_sources_pick_and_sdists() -> None:
     assert unpack_sdist(raw.getvalue()) == {"pkg/a.py": b"x = 1\n", "tests/t.py": b""}
 
 
-async def _check_gold_and_empty(runtime: WorkerRuntime, tasks, owner: str) -> None:
-    for task in tasks:
-        image = await runtime.task_image(task)
-        for actions, reward in ((FAMILY.oracle(task), 1.0), ([Action("submit", {})], 0.0)):
-            env = runtime.new_env(task, image=image, labels={LABEL_OWNER: owner})
+async def _check_gold_and_empty(runtime: WorkerRuntime, tasks, owner: str, *, concurrency: int = 3) -> None:
+    """Every task: its gold patch scores 1, submitting nothing scores 0 (a few sandboxes at a time)."""
+    images = {}
+    for task in tasks:  # one image per repository version, built before the checks share it
+        images[task.instance_id] = await runtime.task_image(task)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def check(task, actions, reward) -> None:
+        async with slots:
+            env = runtime.new_env(task, image=images[task.instance_id], labels={LABEL_OWNER: owner})
             try:
                 await env.reset()
                 result = await run_actions(env, actions)
             finally:
                 await env.close()
-            assert result.reward == reward, (task.instance_id, result.info)
+        assert result.reward == reward, (task.instance_id, result.info)
+
+    await asyncio.gather(*(check(task, actions, reward) for task in tasks
+                           for actions, reward in ((FAMILY.oracle(task), 1.0), ([Action("submit", {})], 0.0))))
 
 
 async def test_synthesis_from_a_local_project(build_backend: BuildBackend, tmp_path: Path) -> None:
