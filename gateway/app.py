@@ -32,6 +32,7 @@ from gateway.policies.router import router as policies_router
 from gateway.rollouts.dispatch import Dispatcher
 from gateway.rollouts.events import RedisBridge, rollout_events
 from gateway.rollouts.executor import Executor
+from gateway.rollouts.hosting import EpisodeHost
 from gateway.rollouts.reporting import PolicyStates
 from gateway.rollouts.router import router as rollouts_router
 from gateway.sandboxes.router import router as sandboxes_router
@@ -76,7 +77,7 @@ def _log_progress(line: str) -> None:
     logger.info("image: %s", line)
 
 
-def create_app(settings: Settings | None = None, *, runtime: Any = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, runtime: Any = None, distributed: bool = False) -> FastAPI:
     """Create the gateway app.
 
     Args:
@@ -84,8 +85,13 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
         runtime: a worker runtime to use instead of building one from the settings.
             The app starts it and closes its sessions at shutdown, but only closes
             (``aclose``) a runtime it built itself.
+        distributed: the distributed mode's gateway (``forkyard gateway``): no sandboxes of
+            its own; episodes are placed on worker nodes over Celery + Redis
+            (:class:`~gateway.fleet.scheduler.FleetScheduler`). Needs ``redis_url``.
     """
     settings = settings or Settings()
+    if distributed and not settings.redis_url:
+        raise ValueError("the distributed mode needs a Redis URL (FORKYARD_REDIS_URL)")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -125,31 +131,44 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
             if settings.redis_url:
                 bridge = RedisBridge(rollout_events, settings.redis_url)
                 await bridge.start()
-            if rt is None:
-                rt = await asyncio.to_thread(build_runtime, settings)
-            await rt.start(progress=_log_progress)
-            async with sessionmaker() as db_session:
-                await sessions_service.recover_node(db_session=db_session, runtime=rt, node=settings.node)
-            app.state.runtime = rt
-            stages = StageLimits.of(
-                setup=settings.stages.setup, agent=settings.stages.agent, verify=settings.stages.verify
-            )
-            executor = Dispatcher(sessionmaker=sessionmaker, runtime=rt, node=settings.node, stages=stages,
-                                  policies=policy_states, drain_poll_s=settings.nodes.heartbeat_s)
-            await executor.start()
-            app.state.executor = executor
-            heartbeat = Heartbeat(
-                sessionmaker, node=settings.node, backend=rt.backend_name, capacity=settings.stages.agent,
-                load=lambda: {"sessions": rt.session_count(), "episodes": executor.running_episodes},
-                interval_s=settings.nodes.heartbeat_s,
-            )
-            await heartbeat.start()
+            if distributed:
+                from gateway.fleet.scheduler import FleetScheduler
+                from gateway.fleet.sessions import FleetRuntime
+
+                executor = FleetScheduler(sessionmaker, settings)
+                await executor.start()
+                app.state.executor = executor
+                fleet_runtime = FleetRuntime(sessionmaker)
+                app.state.runtime = fleet_runtime
+                app.state.place_session = fleet_runtime.place_session
+            else:
+                if rt is None:
+                    rt = await asyncio.to_thread(build_runtime, settings)
+                await rt.start(progress=_log_progress)
+                async with sessionmaker() as db_session:
+                    await sessions_service.recover_node(db_session=db_session, runtime=rt, node=settings.node)
+                app.state.runtime = rt
+                stages = StageLimits.of(
+                    setup=settings.stages.setup, agent=settings.stages.agent, verify=settings.stages.verify
+                )
+                host = EpisodeHost(sessionmaker=sessionmaker, runtime=rt, node=settings.node, stages=stages,
+                                   policies=policy_states)
+                dispatcher = Dispatcher(sessionmaker=sessionmaker, host=host, drain_poll_s=settings.nodes.heartbeat_s)
+                await dispatcher.start()
+                app.state.executor = executor = dispatcher
+                heartbeat = Heartbeat(
+                    sessionmaker, node=settings.node, backend=rt.backend_name, capacity=settings.stages.agent,
+                    load=lambda: {"sessions": rt.session_count(), "episodes": dispatcher.running_episodes},
+                    interval_s=settings.nodes.heartbeat_s,
+                )
+                await heartbeat.start()
             if settings.grpc_port is not None:
                 from gateway.grpc.server import start_server
 
                 grpc_server, app.state.grpc_port = await start_server(
                     app, settings.grpc_host, settings.grpc_port, max_message_bytes=settings.max_body_bytes)
-            logger.info("gateway ready: node %s, database %s", settings.node, redact_database_url(url))
+            logger.info("gateway ready: %s, database %s",
+                        "distributed mode" if distributed else f"node {settings.node}", redact_database_url(url))
             ready = True
             yield
         except Exception as exc:
@@ -157,8 +176,11 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None) -> Fast
                 app.state.startup_error = exc  # lets `forkyard up` say why in one line
             raise
         finally:
+            remote = app.state.runtime if distributed else None
             app.state.runtime = None
             try:
+                if remote is not None:
+                    await remote.aclose()
                 if grpc_server is not None:
                     await grpc_server.stop(grace=2.0)  # steps under way finish; new streams are refused
                 if heartbeat is not None:

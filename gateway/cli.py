@@ -94,8 +94,8 @@ def _uvicorn_server_class() -> type:
     return Server
 
 
-async def _serve(server: Any, host: str, key: str) -> bool:
-    """Run ``server``; print the URL and key once it listens; return whether it ever started."""
+async def _serve(server: Any, host: str, key: str | None) -> bool:
+    """Run ``server``; print the URL (and the key, if given) once it listens; return whether it ever started."""
     async def serve() -> None:
         try:
             await server.serve()
@@ -113,7 +113,8 @@ async def _serve(server: Any, host: str, key: str) -> bool:
         state = getattr(server.config.app, "state", None)
         grpc_port = getattr(state, "grpc_port", None)
         grpc_line = f"FORKYARD_GRPC={state.settings.grpc_host}:{grpc_port}\n" if grpc_port else ""
-        sys.stdout.write(f"FORKYARD_URL=http://{display_host}:{port}\n{grpc_line}FORKYARD_API_KEY={key}\n")
+        key_line = f"FORKYARD_API_KEY={key}\n" if key else ""
+        sys.stdout.write(f"FORKYARD_URL=http://{display_host}:{port}\n{grpc_line}{key_line}")
         sys.stdout.flush()
     await task
     return bool(server.started)
@@ -146,6 +147,59 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise CLIError(f"the gateway did not start: {reason}" if reason else "the gateway did not start; see the log")
     _stderr("forkyard: stopped")
     return 0
+
+
+# --------------------------------------------------------------------------- distributed mode
+
+
+def _fleet_settings(**overrides: Any) -> Settings:
+    """Settings of a distributed-mode process: a shared database and Redis are required."""
+    settings = _settings(**overrides)
+    if not os.environ.get("FORKYARD_DATABASE_URL"):
+        raise CLIError("the distributed mode needs FORKYARD_DATABASE_URL (a PostgreSQL URL every gateway and "
+                       "worker shares)", exit_code=2)
+    if not settings.redis_url:
+        raise CLIError("the distributed mode needs FORKYARD_REDIS_URL (redis://host:port/db)", exit_code=2)
+    return settings
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    """Run a distributed-mode gateway: API, scheduler and delivery; episodes run on worker nodes."""
+    import uvicorn
+
+    from gateway.app import create_app
+    from gateway.logs import configure_logging
+
+    configure_logging(args.log_level.upper())
+    settings = _fleet_settings()
+    _stderr(f"forkyard: starting a gateway on {args.host}:{args.port} (distributed mode)")
+    app = create_app(settings, distributed=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=30)
+    server = _uvicorn_server_class()(config)
+    started = asyncio.run(_serve(server, args.host, None))
+    if not started:
+        reason = app.state.startup_error
+        raise CLIError(f"the gateway did not start: {reason}" if reason else "the gateway did not start; see the log")
+    _stderr("forkyard: stopped")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Run a worker node: it owns this host's sandboxes and runs the episode jobs placed on it."""
+    from gateway.fleet.worker import run_worker
+    from gateway.logs import configure_logging
+
+    configure_logging(args.log_level.upper())
+    settings = _fleet_settings(data_dir=args.data_dir, backend=args.backend, node=args.node)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(settings.data_dir, 0o700)
+    capacity = args.capacity or settings.fleet.capacity
+    if capacity < 1:
+        raise CLIError("--capacity must be at least 1", exit_code=2)
+    _stderr(f"forkyard: starting worker node {settings.node} (backend {settings.backend}, capacity {capacity}, "
+            f"data dir {settings.data_dir})")
+    return run_worker(settings, capacity=capacity, log_level=args.log_level.upper())
 
 
 # --------------------------------------------------------------------------- images
@@ -511,6 +565,22 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sandbox backend (default auto: docker if an engine answers, else local)")
     up.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     up.set_defaults(func=cmd_up)
+
+    gw = sub.add_parser("gateway", help="run a distributed-mode gateway (FORKYARD_DATABASE_URL: PostgreSQL, "
+                                        "FORKYARD_REDIS_URL); several may run at once")
+    gw.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    gw.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    gw.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    gw.set_defaults(func=cmd_gateway)
+
+    worker = sub.add_parser("worker", help="run a worker node that owns this host's sandboxes (same two variables)")
+    worker.add_argument("--node", help="the node's name, unique in the fleet (default: kept in the data dir)")
+    worker.add_argument("--backend", choices=["auto", "docker", "local"],
+                        help="sandbox backend (default auto: docker if an engine answers, else local)")
+    worker.add_argument("--capacity", type=int, help="episodes run at once (default FORKYARD_FLEET__CAPACITY, 8)")
+    worker.add_argument("--data-dir", type=Path, help="this node's sandboxes and caches (default ./.forkyard)")
+    worker.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    worker.set_defaults(func=cmd_worker)
 
     images = sub.add_parser("images", help="build or prune sandbox images").add_subparsers(
         dest="images_command", required=True, metavar="COMMAND")

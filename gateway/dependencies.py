@@ -31,6 +31,14 @@ async def get_runtime(request: Request) -> WorkerRuntime:
     return runtime
 
 
+async def get_session_node(request: Request, db_session: Annotated[AsyncSession, Depends(get_db_session)]) -> str:
+    """Return the node a new session goes to: this one, or (distributed mode) the one the fleet places it on."""
+    place = getattr(request.app.state, "place_session", None)
+    if place is None:
+        return request.app.state.settings.node
+    return await place(db_session)
+
+
 def step_gate_of(app: Any) -> StepGate:
     """Return ``app``'s record of which sessions are stepping or closing (REST and gRPC share it)."""
     gate = getattr(app.state, "step_gate", None)
@@ -52,3 +60,5 @@ CurrentSettings = Annotated[Settings, Depends(get_settings)]
 """The app's settings."""
 Gate = Annotated[StepGate, Depends(get_step_gate)]
 """One step at a time per session (:class:`gateway.sessions.service.StepGate`)."""
+SessionNode = Annotated[str, Depends(get_session_node)]
+"""The node a new session opens on."""

@@ -134,7 +134,7 @@ def map_foreign_error(exc: Exception) -> GatewayError | None:
     if isinstance(exc, GatewayError):
         return exc
     if isinstance(exc, WorkerError):
-        if exc.status >= 500:  # a bug or an infrastructure failure: nothing of it is the client's business
+        if exc.status == 500:  # a bug: nothing of it is the client's business
             return GatewayError(exc.status, exc.code, "An internal error occurred.")
         return GatewayError(exc.status, exc.code, _sentence(exc.message))
     if isinstance(exc, SandboxError):

@@ -31,6 +31,22 @@ class NodeSettings(BaseModel):
     """Seconds between heartbeats; a node is down after 2.5 intervals without one."""
 
 
+class FleetSettings(BaseModel):
+    """The distributed mode: episode jobs over Celery + Redis (``FORKYARD_FLEET__*``)."""
+
+    capacity: int = Field(default=8, ge=1, le=4096)
+    """Episodes one worker node runs at once (``forkyard worker --capacity``); the schedulers never
+    send a node more than this."""
+    schedule_s: float = Field(default=0.2, gt=0, le=60)
+    """Seconds between a gateway scheduler's passes over the active rollouts (a new rollout wakes it at once)."""
+    redispatch_s: float = Field(default=120.0, gt=0)
+    """A job sent to a node that has not taken it within this is sent again (a message lost with a Redis
+    restart); a copy that arrives after all is a duplicate and exits without touching a sandbox."""
+    visibility_timeout_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    """Seconds Redis waits for an unacknowledged job before delivering it again: longer than the longest
+    episode (a node found down hands its work on long before)."""
+
+
 class StageLimitsSettings(BaseModel):
     """How many episodes of all rollouts may be in each stage at once on this node."""
 
@@ -214,6 +230,7 @@ class Settings(BaseSettings):
 
     stages: StageLimitsSettings = Field(default_factory=StageLimitsSettings)
     nodes: NodeSettings = Field(default_factory=NodeSettings)
+    fleet: FleetSettings = Field(default_factory=FleetSettings)
     """Per-stage concurrency of rollout episodes (``FORKYARD_STAGES__SETUP`` / ``__AGENT`` / ``__VERIFY``)."""
 
     setup_cache: SetupCacheSettings = Field(default_factory=SetupCacheSettings)

@@ -109,3 +109,26 @@ class SessionClosedError(WorkerError):
 
     code = "session_closed"
     status = 409
+
+
+class SandboxLostError(WorkerError):
+    """A session's sandbox crashed or vanished on its node: the session cannot go on."""
+
+    code = "sandbox_lost"
+    status = 503
+    infra = True
+
+
+class SandboxBackendError(WorkerError):
+    """A node's sandbox backend failed a call (the session may still go on), or the node was unreachable."""
+
+    code = "sandbox_error"
+    status = 503
+    infra = True
+
+
+class NotSupportedError(WorkerError):
+    """The call is not available in this deployment mode."""
+
+    code = "not_supported"
+    status = 501

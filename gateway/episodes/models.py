@@ -65,7 +65,11 @@ class Episode(Base):
     root_episode_id: Mapped[str | None] = mapped_column(String(40), default=None, index=True)
     """The trunk of this episode's trajectory tree (itself for a trunk; None outside branching rollouts)."""
     node: Mapped[str | None] = mapped_column(String(255), default=None)
-    """Gateway node running the episode (set when it starts)."""
+    """Node running the episode (set when it starts; in the distributed mode, the node it was sent to)."""
+    dispatched_at: Mapped[datetime | None] = mapped_column(default=None)
+    """When a scheduler sent this queued episode to a node (distributed mode); None while unsent."""
+    lease: Mapped[str | None] = mapped_column(String(40), default=None)
+    """Fencing token of the attempt running the episode: every write of its runner must carry it."""
     seq: Mapped[int | None] = mapped_column(default=None)
     """Position in the rollout's delivery stream; None while not (or never) streamed."""
     dead_letter_reason: Mapped[str | None] = mapped_column(Text, default=None)

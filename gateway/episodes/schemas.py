@@ -36,6 +36,8 @@ class EpisodeRead(BaseModel):
     """In a trajectory tree: the turn this branch was forked at."""
     root_episode_id: str | None = None
     """In a trajectory tree: its trunk (GET /v1/episodes/{id}/tree shows the whole tree)."""
+    node: str | None = None
+    """The node that ran (or runs) it; for a queued episode in the distributed mode, the node it was sent to."""
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.db import new_id, utcnow
 from gateway.episodes.models import Episode, EpisodeStep
-from gateway.errors import NotFoundError
+from gateway.errors import ConflictError, NotFoundError
 from gateway.pagination import page_of, paginate
 from gateway.policies import service as policies_service
 from gateway.rollouts.events import rollout_events
@@ -328,15 +328,20 @@ async def get_tree(*, db_session: AsyncSession, episode_id: str) -> dict[str, An
 
 
 async def spawn_branches(
-    *, db_session: AsyncSession, parent_episode_id: str, turn: int, n: int, node: str | None = None
+    *, db_session: AsyncSession, parent_episode_id: str, turn: int, n: int, node: str | None = None,
+    lease: str | None = None,
 ) -> list[str]:
     """Create ``n`` running branch episodes of a tree episode forked at ``turn``; return their ids.
 
+    The branches carry ``lease`` (the tree's attempt runs them all).
+
     Raises:
+        LeaseLostError: ``lease`` is given and is not the parent's.
         NotFoundError: no such parent episode.
         ValueError: the parent is not part of a trajectory tree.
     """
     parent = await get_episode(db_session=db_session, episode_id=parent_episode_id)
+    _check_lease(parent, lease)
     if parent.root_episode_id is None:
         raise ValueError(f"episode {parent_episode_id} is not part of a trajectory tree")
     now = utcnow()
@@ -347,7 +352,7 @@ async def spawn_branches(
             task_index=parent.task_index, sample_index=parent.sample_index, attempt=parent.attempt,
             status=EpisodeStatus.RUNNING, messages=[], timings={}, weight_versions=[], info={}, num_turns=0,
             parent_episode_id=parent.id, branch_turn=turn, root_episode_id=parent.root_episode_id, node=node,
-            created_at=now, started_at=now,
+            created_at=now, started_at=now, lease=lease,
         )
         db_session.add(branch)
         ids.append(branch.id)
@@ -383,6 +388,77 @@ async def list_queued_episodes(*, db_session: AsyncSession, rollout_id: str, lim
     return list((await db_session.scalars(stmt)).all())
 
 
+def _in_flight(sent_after: datetime, down: Sequence[str]) -> Any:
+    """Episodes that hold a node slot: running, or sent to a live node recently enough to be taken soon."""
+    sent = (Episode.status == EpisodeStatus.QUEUED) & (Episode.dispatched_at >= sent_after)
+    if down:
+        sent = sent & Episode.node.not_in(list(down))
+    return (Episode.status == EpisodeStatus.RUNNING) | sent
+
+
+async def in_flight_by_node(
+    *, db_session: AsyncSession, sent_after: datetime, down: Sequence[str] = ()
+) -> dict[str, int]:
+    """Return, per node, how many episodes it runs or has been sent (distributed mode's admission)."""
+    stmt = select(Episode.node, func.count()).where(_in_flight(sent_after, down), Episode.node.is_not(None)) \
+        .group_by(Episode.node)
+    counts = {node: int(n) for node, n in (await db_session.execute(stmt)).all()}
+    await db_session.commit()
+    return counts
+
+
+async def dispatch_queued(
+    *, db_session: AsyncSession, rollout_id: str, free: dict[str, int], sent_after: datetime,
+    down: Sequence[str] = (),
+) -> list[tuple[str, str]]:
+    """Place a rollout's queued episodes on nodes with free slots; return ``(episode_id, node)`` to send.
+
+    Least-loaded admission: each episode goes to the node with the most free slots
+    (``free`` is updated), and no more run or wait at once than the rollout's concurrency.
+    An episode sent before ``sent_after`` (its job lost, e.g. with a Redis restart) or to a
+    node in ``down`` is placed again. The rollout row is locked meanwhile, so the schedulers
+    of several gateways never place the same episode twice.
+    """
+    rollout = await lock_rollout(db_session, rollout_id)
+    if rollout.status not in (RolloutStatus.QUEUED, RolloutStatus.RUNNING):
+        await db_session.commit()
+        return []
+    busy = int(await db_session.scalar(select(func.count()).select_from(Episode).where(
+        Episode.rollout_id == rollout_id, _in_flight(sent_after, down))) or 0)
+    room = max(0, rollout.concurrency - busy)
+    if room == 0 or max(free.values(), default=0) <= 0:
+        await db_session.commit()
+        return []
+    unsent = Episode.dispatched_at.is_(None) | (Episode.dispatched_at < sent_after)
+    if down:
+        unsent = unsent | Episode.node.in_(list(down))
+    stmt = (
+        select(Episode)
+        .where(Episode.rollout_id == rollout_id, Episode.status == EpisodeStatus.QUEUED, unsent)
+        .order_by(Episode.attempt.desc(), Episode.task_index, Episode.sample_index)
+        .limit(room)
+    )
+    now = utcnow()
+    placed = []
+    for episode in (await db_session.scalars(stmt)).all():
+        node = max(free, key=lambda n: free[n])
+        if free[node] <= 0:
+            break
+        free[node] -= 1
+        episode.dispatched_at = now
+        episode.node = node
+        placed.append((episode.id, node))
+    await db_session.commit()
+    return placed
+
+
+async def undispatch(*, db_session: AsyncSession, episode_id: str) -> None:
+    """Return a queued episode a node will not run (it drains) to the schedulers."""
+    await db_session.execute(update(Episode).where(Episode.id == episode_id, Episode.status == EpisodeStatus.QUEUED)
+                             .values(dispatched_at=None, node=None))
+    await db_session.commit()
+
+
 async def count_running_episodes(*, db_session: AsyncSession, rollout_id: str) -> int:
     """Return how many episodes of a rollout are running."""
     stmt = select(func.count()).select_from(Episode).where(
@@ -391,11 +467,19 @@ async def count_running_episodes(*, db_session: AsyncSession, rollout_id: str) -
     return int(await db_session.scalar(stmt) or 0)
 
 
-async def mark_episode_running(*, db_session: AsyncSession, episode_id: str, node: str | None = None) -> bool:
+class LeaseLostError(ConflictError):
+    """A runner wrote to an episode whose lease it no longer holds (another attempt owns it, or it ended)."""
+
+
+async def mark_episode_running(
+    *, db_session: AsyncSession, episode_id: str, node: str | None = None, lease: str | None = None
+) -> bool:
     """Move a queued episode to running (and its rollout to running); return False if it must not run.
 
     False means the rollout was cancelled or failed, or the episode is no longer queued
-    (another dispatcher took it); nothing changes then.
+    (another dispatcher took it, or a duplicate delivery of its job came first); nothing
+    changes then. ``lease``: the claiming attempt's fencing token, which its writes
+    (:func:`record_step`, :func:`finish_episode`, :func:`spawn_branches`) must then carry.
     """
     episode = await get_episode(db_session=db_session, episode_id=episode_id)
     now = utcnow()
@@ -410,7 +494,7 @@ async def mark_episode_running(*, db_session: AsyncSession, episode_id: str, nod
         return False
     result = await db_session.execute(
         update(Episode).where(Episode.id == episode_id, Episode.status == EpisodeStatus.QUEUED)
-        .values(status=EpisodeStatus.RUNNING, started_at=now, node=node)
+        .values(status=EpisodeStatus.RUNNING, started_at=now, node=node, lease=lease)
     )
     if result.rowcount == 0:  # type: ignore[attr-defined]
         await db_session.rollback()
@@ -445,25 +529,28 @@ def _step_values(step: Any) -> dict[str, Any]:
     return values
 
 
-async def record_step(*, db_session: AsyncSession, episode_id: str, step: Any) -> EpisodeStep | None:
+async def record_step(
+    *, db_session: AsyncSession, episode_id: str, step: Any, lease: str | None = None
+) -> EpisodeStep | None:
     """Append one step (a StepRecord or a dict of its fields) to a queued or running episode.
 
     Returns the stored step, or None (with a warning) if the episode has already ended.
 
     Raises:
+        LeaseLostError: ``lease`` is given and is not the episode's (another attempt runs it).
         NotFoundError: no such episode.
         ValueError: the step has no index, repeats an index, or its logprobs do not match its
             completion tokens.
     """
     values = _step_values(step)
-    result = await db_session.execute(
-        update(Episode)
-        .where(Episode.id == episode_id, Episode.status.in_(list(ACTIVE_EPISODE_STATUSES)))
-        .values(num_turns=Episode.num_turns + 1)
-    )
+    stmt = update(Episode).where(Episode.id == episode_id, Episode.status.in_(list(ACTIVE_EPISODE_STATUSES)))
+    if lease is not None:
+        stmt = stmt.where(Episode.lease == lease)
+    result = await db_session.execute(stmt.values(num_turns=Episode.num_turns + 1))
     if result.rowcount == 0:  # type: ignore[attr-defined]
         await db_session.rollback()
-        await get_episode(db_session=db_session, episode_id=episode_id)  # NotFoundError if missing
+        episode = await get_episode(db_session=db_session, episode_id=episode_id)  # NotFoundError if missing
+        _check_lease(episode, lease)
         logger.warning("episode %s: step %s arrived after the episode ended; not recorded", episode_id,
                        values["index"])
         return None
@@ -475,6 +562,17 @@ async def record_step(*, db_session: AsyncSession, episode_id: str, step: Any) -
         await db_session.rollback()
         raise ValueError(f"episode {episode_id} already has a step {values['index']}") from exc
     return row
+
+
+def _check_lease(episode: Episode, lease: str | None) -> None:
+    """Raise LeaseLostError if ``lease`` is given and ``episode`` is not held under it."""
+    if lease is not None and episode.lease != lease:
+        raise _lease_lost(episode)
+
+
+def _lease_lost(episode: Episode) -> LeaseLostError:
+    return LeaseLostError(f"episode {episode.id} is no longer held by this attempt (it is {episode.status.value} "
+                          f"on node {episode.node}); its writes are refused")
 
 
 def staleness_lag(weight_versions: Sequence[int], version: int) -> int | None:
@@ -494,7 +592,7 @@ async def finish_episode(
     *, db_session: AsyncSession, episode_id: str, status: EpisodeStatus | str, termination: Termination | str | None,
     reward: float | None, error: BaseException | str | None = None, messages: list[dict[str, Any]] | None = None,
     timings: dict[str, Any] | None = None, weight_versions: Sequence[int] | None = None,
-    info: dict[str, Any] | None = None, current_version: int | None = None,
+    info: dict[str, Any] | None = None, current_version: int | None = None, lease: str | None = None,
 ) -> Episode:
     """Record how an episode ended and settle what follows, in one transaction.
 
@@ -509,6 +607,7 @@ async def finish_episode(
     Finishing an episode that has already ended changes nothing and returns it.
 
     Raises:
+        LeaseLostError: ``lease`` is given and is not the episode's (another attempt runs it).
         NotFoundError: no such episode.
         ValueError: ``status`` is not a final state.
     """
@@ -518,7 +617,11 @@ async def finish_episode(
     term = Termination(termination) if termination is not None else None
     episode = await get_episode(db_session=db_session, episode_id=episode_id)
     rollout = await lock_rollout(db_session, episode.rollout_id)
-    episode = await get_episode(db_session=db_session, episode_id=episode_id)
+    episode = await db_session.get(Episode, episode_id, populate_existing=True) or episode
+    if lease is not None and episode.lease != lease:
+        lost = _lease_lost(episode)  # read before the rollback expires the row
+        await db_session.rollback()
+        raise lost
     if episode.status not in ACTIVE_EPISODE_STATUSES:
         ended = episode.status.value
         await db_session.rollback()
@@ -581,6 +684,7 @@ async def requeue_interrupted(
             episode.status = EpisodeStatus.FAILED
             episode.termination = Termination.ERROR
             episode.error = error
+            episode.info = {**(episode.info or {}), "infra": True}  # the node's fault, never the policy's
             episode.finished_at = now
             await _settle(db_session, rollout, episode, now, retry_failed=True)
             interrupted += 1

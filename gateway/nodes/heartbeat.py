@@ -26,7 +26,9 @@ class Heartbeat:
         capacity: int,
         load: Callable[[], dict[str, Any]],
         interval_s: float,
+        address: str | None = None,
     ) -> None:
+        self.address = address
         self._sessionmaker = sessionmaker
         self.node = node
         self._backend = backend
@@ -43,7 +45,8 @@ class Heartbeat:
     async def beat(self, *, started: bool = False) -> None:
         async with self._sessionmaker() as db:
             await service.heartbeat(db_session=db, name=self.node, backend=self._backend, capacity=self._capacity,
-                                    load=self._load(), heartbeat_s=self.interval_s, started=started)
+                                    load=self._load(), heartbeat_s=self.interval_s, started=started,
+                                    address=self.address)
 
     async def _run(self) -> None:
         while True:

@@ -20,6 +20,8 @@ class NodeRead(BaseModel):
     heartbeat_at: datetime
     started_at: datetime
     draining: bool
+    address: str | None = None
+    """``host:port`` of a worker node's session channel (the gateways reach its sandboxes there)."""
 
 
 class NodePage(BaseModel):

@@ -29,12 +29,12 @@ MISSED_HEARTBEATS = 2.5
 
 async def heartbeat(
     *, db_session: AsyncSession, name: str, backend: str, capacity: int, load: dict[str, Any], heartbeat_s: float,
-    started: bool = False,
+    started: bool = False, address: str | None = None,
 ) -> None:
     """Record that ``name`` is alive now (``started``: it has just started; its start time is reset)."""
     now = utcnow()
     values: dict[str, Any] = {"backend": backend, "capacity": capacity, "load": load, "heartbeat_s": heartbeat_s,
-                              "heartbeat_at": now}
+                              "heartbeat_at": now, "address": address}
     if started:
         values["started_at"] = now
     result = await db_session.execute(update(Node).where(Node.name == name).values(**values))
@@ -61,7 +61,7 @@ def read(node: Node, now: datetime) -> NodeRead:
     """Return the node as the API shows it."""
     return NodeRead(name=node.name, state=state_of(node, now), backend=node.backend,  # type: ignore[arg-type]
                     capacity=node.capacity, load=dict(node.load or {}), heartbeat_at=node.heartbeat_at,
-                    started_at=node.started_at, draining=node.draining)
+                    started_at=node.started_at, draining=node.draining, address=node.address)
 
 
 async def list_nodes(*, db_session: AsyncSession) -> list[NodeRead]:

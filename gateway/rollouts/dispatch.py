@@ -1,9 +1,8 @@
 """The in-process dispatcher (embedded mode): schedules the episodes of active rollouts.
 
 It decides what runs (queued episodes, concurrency, lazy-fork groups, drain) and hands
-each episode to the data plane as an :class:`~workers.protocol.EpisodeJob` under its
-rollout's :class:`~workers.protocol.RolloutJob`; :func:`workers.jobs.run_job` runs it and
-reports through a :class:`~gateway.rollouts.reporting.DatabaseReporter`.
+the episodes it claims to an :class:`~gateway.rollouts.hosting.EpisodeHost`, which runs
+them on this node's runtime and has them report into the database.
 
 It owns no state of its own that matters after a crash: every decision is read from and
 written to the database through the episode and rollout services, so a restarted
@@ -24,38 +23,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.environments.models import Environment
 from gateway.episodes import service as episodes_service
-from gateway.logs import register_secret
 from gateway.nodes import service as nodes_service
 from gateway.rollouts import service as rollouts_service
-from gateway.rollouts.reporting import DatabaseReporter, PolicyStates
-from gateway.tasks import service as tasks_service
-from gateway.tasks.models import Task
+from gateway.rollouts.hosting import EpisodeHost
 from workers.errors import WorkerError
-from workers.jobs import RolloutPlan, run_job, run_shared_group
-from workers.protocol import (
-    AgentSpec,
-    BranchingSpec,
-    EpisodeJob,
-    EpisodeStatus,
-    LimitsSpec,
-    PolicySpec,
-    RolloutJob,
-    describe,
-)
-from workers.runner import StageLimits, infra_failure
 
 if TYPE_CHECKING:
-    from gateway.episodes.models import Episode
-    from gateway.rollouts.models import Rollout
-    from workers.envs.base import EnvTask
-    from workers.runtime import WorkerRuntime
+    from gateway.rollouts.hosting import LoadedTask
 
 logger = logging.getLogger(__name__)
 
@@ -67,18 +46,12 @@ class Dispatcher:
         self,
         *,
         sessionmaker: async_sessionmaker[AsyncSession],
-        runtime: WorkerRuntime,
-        node: str,
-        stages: StageLimits | None = None,
-        policies: PolicyStates | None = None,
+        host: EpisodeHost,
         drain_poll_s: float = 5.0,
     ) -> None:
         self._sessionmaker = sessionmaker
-        self._runtime = runtime
-        self._node = node
-        self._stages = stages or StageLimits()
-        self.policies = policies or PolicyStates(sessionmaker)
-        """The policies' versions and pause flags, cached for every episode this dispatcher runs."""
+        self._host = host
+        self._node = host.node
         self._drain_poll_s = drain_poll_s
         self._rollouts: dict[str, asyncio.Task[None]] = {}
         self._episodes: dict[str, dict[str, asyncio.Task[None]]] = {}
@@ -121,7 +94,7 @@ class Dispatcher:
 
     async def aclose(self) -> None:
         """Stop everything; interrupted episodes stay ``running`` and are requeued at the next start."""
-        self._closed = True
+        self._closed = self._host.closing = True
         tasks = list(self._rollouts.values())
         for task in tasks:
             task.cancel()
@@ -129,17 +102,15 @@ class Dispatcher:
 
     async def _run_rollout(self, rollout_id: str) -> None:
         try:
-            async with self._sessionmaker() as db:
-                rollout = await rollouts_service.get_rollout(db_session=db, rollout_id=rollout_id)
-            plan = await RolloutPlan.load(_rollout_job(rollout))
-        except (WorkerError, ValueError) as exc:
+            rollout, plan = await self._host.load_plan(rollout_id)
+        except WorkerError as exc:
             logger.warning("rollout %s cannot run: %s", rollout_id, exc)
             async with self._sessionmaker() as db:
                 await rollouts_service.fail_rollout(db_session=db, rollout_id=rollout_id, error=str(exc))
             return
         running = self._episodes.setdefault(rollout_id, {})
         slots = asyncio.Semaphore(max(1, rollout.concurrency))
-        tasks: dict[str, tuple[EnvTask, str]] = {}
+        tasks: dict[str, LoadedTask] = {}
         try:
             while True:
                 async with self._sessionmaker() as db:
@@ -160,24 +131,16 @@ class Dispatcher:
                         continue
                     await slots.acquire()
                     if episode.task_id not in tasks:
-                        tasks[episode.task_id] = await self._load_task(episode.task_id)
+                        tasks[episode.task_id] = await self._host.load_task(episode.task_id)
                     task, env_version = tasks[episode.task_id]
                     members = [episode]
                     if plan.shares_sandboxes(task) and episode.attempt == 1:
-                        members = await self._queued_group(episode)
-                    started = []
-                    for member in members:
-                        async with self._sessionmaker() as db:
-                            if await episodes_service.mark_episode_running(
-                                    db_session=db, episode_id=member.id, node=self._node):
-                                started.append(member)
+                        members = await self._host.queued_group(episode)
+                    started = await self._host.claim(members)
                     if not started:
                         slots.release()
                         continue
-                    if len(started) == 1:
-                        coro = self._run_episode(rollout, plan, started[0], task, env_version)
-                    else:
-                        coro = self._run_shared_group(rollout, plan, started, task, env_version)
+                    coro = self._host.run(rollout, plan, started, task, env_version)
                     run = asyncio.create_task(coro, name=f"episode {started[0].id}")
                     for member in started:
                         running[member.id] = run
@@ -192,106 +155,3 @@ class Dispatcher:
             await plan.aclose()
             self._episodes.pop(rollout_id, None)
         logger.info("rollout %s: no episode left to run", rollout_id)
-
-    async def _load_task(self, task_id: str) -> tuple[EnvTask, str]:
-        """Return the task and its environment's ``name@version`` (part of the setup cache key)."""
-        async with self._sessionmaker() as db:
-            row = await db.get(Task, task_id)
-            if row is None:
-                raise WorkerError(f"task {task_id} vanished")
-            env = await db.get(Environment, row.environment_id)
-            task = await tasks_service.load_task(db_session=db, task_id=task_id)
-        env_version = f"{env.name}@{env.version}" if env is not None else ""
-        return task, env_version
-
-    async def _queued_group(self, episode: Episode) -> list[Episode]:
-        """Return the queued first attempts of ``episode``'s group (it included)."""
-        async with self._sessionmaker() as db:
-            rows, _ = await episodes_service.list_episodes(
-                db_session=db, group_id=episode.group_id, status=EpisodeStatus.QUEUED, limit=1024)
-        members = [e for e in rows if e.attempt == 1]
-        return sorted(members, key=lambda e: e.sample_index) or [episode]
-
-    async def _run_shared_group(
-        self, rollout: Rollout, plan: RolloutPlan, episodes: list[Episode], task: EnvTask, env_version: str
-    ) -> None:
-        """Run a group's samples on one shared sandbox that forks where their actions diverge."""
-        by_id = {e.id: e for e in episodes}
-        jobs = [_episode_job(e, env_version) for e in episodes]
-
-        async def member(job: EpisodeJob, stages: StageLimits, env_factory: Any) -> None:
-            await self._run_episode(rollout, plan, by_id[job.episode_id], task, env_version, stages=stages,
-                                    env_factory=env_factory)
-
-        async def no_image(exc: Exception) -> None:
-            await self._fail([e.id for e in episodes], "error", f"{type(exc).__name__}: {exc}",
-                             infra=infra_failure(exc))
-
-        await run_shared_group(jobs, plan=plan, task=task, runtime=self._runtime, group_id=episodes[0].group_id,
-                               agent_slot=self._stages.agent, run_member=member, on_image_failure=no_image)
-
-    async def _run_episode(
-        self, rollout: Rollout, plan: RolloutPlan, episode: Episode, task: EnvTask, env_version: str, *,
-        stages: StageLimits | None = None, env_factory: Any = None,
-    ) -> None:
-        reporter = DatabaseReporter(self._sessionmaker, node=self._node, policy_name=rollout.policy_name,
-                                    policies=self.policies, on_store_failure=self._store_failed)
-        job = _episode_job(episode, env_version)
-        try:
-            await run_job(job, plan=plan, task=task, runtime=self._runtime, reporter=reporter,
-                          stages=stages or self._stages, env_factory=env_factory)
-        except asyncio.CancelledError:
-            branches = await self._running_branches(job.root_episode_id or job.episode_id) if plan.branching else []
-            if self._closed:
-                raise  # shutdown: left running, failed (or requeued) at the next start
-            await self._fail([episode.id, *branches], "cancelled", "the rollout was cancelled while the episode ran")
-            raise
-        except WorkerError as exc:  # e.g. the scripted policy has no oracle for this task
-            await self._fail([episode.id], "error", str(exc))
-
-    async def _store_failed(self, episode_id: str, error: str) -> None:
-        await self._fail([episode_id], "error", error)
-
-    async def _fail(self, episode_ids: list[str], termination: str, error: str, *, infra: bool = False) -> None:
-        """Mark episodes failed; one that cannot be stored is logged (a restart fails it, as it is running).
-
-        ``infra``: the failure is the infrastructure's (a sandbox, an image, a node), not the policy's.
-        """
-        for episode_id in episode_ids:
-            try:
-                async with self._sessionmaker() as db:
-                    await episodes_service.finish_episode(
-                        db_session=db, episode_id=episode_id, status="failed", termination=termination,
-                        reward=None, error=error, info={"infra": True} if infra else None,
-                    )
-            except Exception:
-                logger.exception("episode %s: marking it failed (%s) failed", episode_id, error)
-
-    async def _running_branches(self, root_episode_id: str) -> list[str]:
-        """Return the ids of a tree's branches still marked running (its trunk left out)."""
-        async with self._sessionmaker() as db:
-            rows = await episodes_service.list_tree_episodes(
-                db_session=db, root_episode_id=root_episode_id, status=EpisodeStatus.RUNNING)
-        return [e.id for e in rows if e.id != root_episode_id]
-
-
-def _episode_job(episode: Episode, env_version: str) -> EpisodeJob:
-    return EpisodeJob(episode_id=episode.id, task_id=episode.task_id, root_episode_id=episode.root_episode_id,
-                      env_version=env_version)
-
-
-def _rollout_job(rollout: Rollout) -> RolloutJob:
-    """Return what the rollout's episodes run with, from its row (the API key put back); raise WorkerError if invalid."""
-    policy = dict(rollout.policy)
-    if rollout.policy_api_key:
-        register_secret(rollout.policy_api_key)
-        policy["api_key"] = rollout.policy_api_key
-    try:
-        return RolloutJob(
-            rollout_id=rollout.id, policy=PolicySpec.from_stored(policy), agent=AgentSpec.from_stored(rollout.agent),
-            limits=LimitsSpec.from_stored(rollout.limits),
-            branching=BranchingSpec.from_stored(rollout.branching) if rollout.branching else None,
-            lazy_fork=bool(rollout.lazy_fork), max_staleness=rollout.max_staleness,
-        )
-    except ValidationError as exc:
-        raise WorkerError(describe(exc, f"rollout {rollout.id}")) from exc

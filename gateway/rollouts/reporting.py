@@ -77,7 +77,13 @@ class PolicyStates:
 
 
 class DatabaseReporter:
-    """Report the episodes of one rollout into the database, for the node running them."""
+    """Report the episodes of one rollout into the database, for the node running them.
+
+    ``lease``: the fencing token the episodes were claimed under; every write carries it,
+    so an attempt that lost its episode (a node found down whose work was handed on, a
+    duplicate delivery) can no longer change it: its writes raise
+    :class:`~gateway.episodes.service.LeaseLostError`, and its result is dropped.
+    """
 
     def __init__(
         self,
@@ -87,8 +93,10 @@ class DatabaseReporter:
         policy_name: str,
         policies: PolicyStates,
         on_store_failure: Callable[[str, str], Awaitable[None]],
+        lease: str | None = None,
     ) -> None:
         self._sessionmaker = sessionmaker
+        self._lease = lease
         self._node = node
         self._policy_name = policy_name
         self._policies = policies
@@ -96,7 +104,8 @@ class DatabaseReporter:
 
     async def record_step(self, episode_id: str, step: StepRecord) -> None:
         async with self._sessionmaker() as db:
-            await episodes_service.record_step(db_session=db, episode_id=episode_id, step=step.as_dict())
+            await episodes_service.record_step(db_session=db, episode_id=episode_id, step=step.as_dict(),
+                                              lease=self._lease)
 
     async def finish(self, episode_id: str, result: EpisodeResult) -> None:
         try:
@@ -105,7 +114,10 @@ class DatabaseReporter:
                     db_session=db, episode_id=episode_id, status=result.status, termination=result.termination,
                     reward=result.reward, error=result.error, messages=result.messages,
                     timings=result.timings, weight_versions=result.weight_versions, info=result.info,
+                    lease=self._lease,
                 )
+        except episodes_service.LeaseLostError as exc:
+            logger.warning("episode %s: result dropped: %s", episode_id, exc)
         except Exception as exc:  # the episode must end somehow, or its group and rollout never do
             logger.exception("episode %s: storing its result failed", episode_id)
             await self._on_store_failure(episode_id, f"storing the result failed: {type(exc).__name__}: {exc}")
@@ -113,7 +125,8 @@ class DatabaseReporter:
     async def spawn_branches(self, parent_episode_id: str, turn: int, n: int) -> list[str]:
         async with self._sessionmaker() as db:
             return await episodes_service.spawn_branches(
-                db_session=db, parent_episode_id=parent_episode_id, turn=turn, n=n, node=self._node)
+                db_session=db, parent_episode_id=parent_episode_id, turn=turn, n=n, node=self._node,
+                lease=self._lease)
 
     async def policy_state(self) -> PolicyState:
         return await self._policies.get(self._policy_name)

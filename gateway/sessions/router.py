@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query, Response
 
-from gateway.dependencies import CurrentSettings, DbSession, Gate, Runtime
+from gateway.dependencies import CurrentSettings, DbSession, Gate, Runtime, SessionNode
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.sessions import service
 from gateway.sessions.models import SessionState
@@ -25,11 +25,11 @@ router = APIRouter(prefix="/sessions", tags=["sessions"])
 
 @router.post("", status_code=201, response_model=SessionCreated)
 async def open_session(
-    body: SessionCreate, db_session: DbSession, runtime: Runtime, settings: CurrentSettings
+    body: SessionCreate, db_session: DbSession, runtime: Runtime, settings: CurrentSettings, node: SessionNode
 ):
     """Open a session on a task; answers its first observation and tools."""
     row, opened = await service.open_session(
-        db_session=db_session, runtime=runtime, task_id=body.task_id, node=settings.node,
+        db_session=db_session, runtime=runtime, task_id=body.task_id, node=node,
         max_open=settings.sessions.max_open,
     )
     return SessionCreated(

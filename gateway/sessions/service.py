@@ -26,7 +26,7 @@ from gateway.tasks.models import Task
 from gateway.tasks.service import get_task, load_task
 from sandboxes.base import SandboxState
 from sandboxes.errors import SandboxCrashedError, SandboxNotFoundError
-from workers.errors import SessionClosedError, SessionNotFoundError
+from workers.errors import SandboxLostError, SessionClosedError, SessionNotFoundError
 
 if TYPE_CHECKING:
     from workers.runtime import SessionOpened, StepResult, WorkerRuntime
@@ -286,7 +286,7 @@ async def _step_once(
             f"Session {session_id!r} is no longer live on its worker (it restarted or lost the sandbox); "
             "it is marked failed.", code="session_closed",
         ) from exc
-    except (SandboxCrashedError, SandboxNotFoundError) as exc:
+    except (SandboxCrashedError, SandboxNotFoundError, SandboxLostError) as exc:
         if gate.is_closing(session_id):
             raise
         await _finish(db_session, session_id, SessionState.FAILED, error=_error_text(exc))

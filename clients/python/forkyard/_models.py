@@ -350,6 +350,8 @@ class EpisodeInfo(ForkyardModel):
     branch_turn: int | None = None
     root_episode_id: _IdField | None = None
     """Branching rollouts: the trunk of the episode's trajectory tree."""
+    node: str | None = None
+    """The node that ran it (in the distributed mode, for a queued episode: the node it was sent to)."""
     created_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None

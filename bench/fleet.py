@@ -1,0 +1,197 @@
+"""The distributed mode against the embedded one: step latency, dispatch latency, throughput by workers.
+
+Run with ``.venv/bin/python bench/fleet.py [--steps 200] [--episodes 32] </dev/null`` as root
+after ``bash .ci/bootstrap`` (PostgreSQL on 127.0.0.1:5432; a private redis-server is
+started). Everything comes from the same run, on the local backend:
+
+- ``step``: ``POST /v1/sessions/{id}/step`` of a command printing 1 KB, p50 over
+  ``--steps`` steps: through an embedded ``forkyard up`` (the sandbox in the gateway's
+  process) vs. through a ``forkyard gateway`` to the ``forkyard worker`` that owns the
+  sandbox (one more hop, over the node's gRPC channel); and the same step over the
+  trainer's gRPC channel (``Sessions.Attach``) of each;
+- ``dispatch``: a rollout's creation to its (only) episode starting, p50 over 10 rollouts
+  of one episode that submits at once: the embedded dispatcher vs. the fleet scheduler,
+  a Celery job over Redis and the node's claim;
+- ``throughput``: oracle episodes per minute of one rollout of ``--episodes`` episodes
+  (the terminal example tasks × groups of 8) with 1, 2 and 3 workers of capacity 4, and
+  the embedded gateway at the same concurrency as the baseline.
+
+Warm pools are not built yet, so the issue's pool-claim row is reported as missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.sessions import Gateway, command, med_ms  # noqa: E402
+from tests.e2e.test_terminal_tasks import TASK_NAMES, TASKS_DIR  # noqa: E402
+from tests.fleet import fleet  # noqa: E402
+
+ORACLE = {"name": "oracle", "api": "scripted", "model": "oracle"}
+SUBMIT = {"name": "submit", "api": "scripted", "model": "x", "actions": [{"tool": "submit", "arguments": {}}]}
+#: The issue's target: the hop to a node adds at most this at p50.
+TARGET_ADDED_MS = 0.5
+
+
+def import_tasks(http: httpx.Client) -> dict[str, str]:
+    tasks = []
+    for name in TASK_NAMES:
+        root = TASKS_DIR / name
+        tasks.append({"name": name, "files": {str(p.relative_to(root)): p.read_text()
+                                              for p in sorted(root.rglob("*")) if p.is_file()}})
+    r = http.post("/v1/tasks", json={"tasks": tasks})
+    r.raise_for_status()
+    return {t["name"]: t["id"] for t in r.json()["items"]}
+
+
+def rest_steps(http: httpx.Client, task_id: str, steps: int) -> list[float]:
+    sid = http.post("/v1/sessions", json={"task_id": task_id}).raise_for_status().json()["id"]
+    body = {"action": {"tool": "bash", "arguments": {"command": command(1024)}}}
+    times = []
+    for _ in range(steps + 10):
+        started = time.perf_counter()
+        http.post(f"/v1/sessions/{sid}/step", json=body).raise_for_status()
+        times.append(time.perf_counter() - started)
+    http.delete(f"/v1/sessions/{sid}")
+    return times[10:]
+
+
+async def grpc_steps(address: str, key: str, session_id: str, steps: int) -> list[float]:
+    import grpc
+
+    from gateway.grpc.codegen import modules
+
+    pb2, pb2_grpc = modules()
+    times: list[float] = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb2_grpc.SessionsStub(channel)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while (item := await queue.get()) is not None:
+                yield item
+
+        call = stub.Attach(requests(), metadata=(("authorization", f"Bearer {key}"),
+                                                 ("x-forkyard-session", session_id)))
+        args = json.dumps({"command": command(1024)})
+        for seq in range(steps + 10):
+            started = time.perf_counter()
+            await queue.put(pb2.StepRequest(seq=seq, tool="bash", arguments_json=args))
+            reply = await call.read()
+            assert not reply.HasField("error"), reply.error
+            times.append(time.perf_counter() - started)
+        await queue.put(None)
+    return times[10:]
+
+
+def grpc_session_steps(http: httpx.Client, address: str, key: str, task_id: str, steps: int) -> list[float]:
+    sid = http.post("/v1/sessions", json={"task_id": task_id}).raise_for_status().json()["id"]
+    try:
+        return asyncio.run(grpc_steps(address, key, sid, steps))
+    finally:
+        http.delete(f"/v1/sessions/{sid}")
+
+
+def wait_rollout(http: httpx.Client, rollout_id: str, timeout_s: float = 600) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = http.get(f"/v1/rollouts/{rollout_id}").raise_for_status().json()
+        if r["status"] in ("completed", "failed", "cancelled"):
+            return r
+        time.sleep(0.05)
+    raise RuntimeError(f"rollout {rollout_id} did not finish")
+
+
+def dispatch_latencies(http: httpx.Client, task_id: str, runs: int = 10) -> list[float]:
+    out = []
+    for _ in range(runs):
+        created = http.post("/v1/rollouts", json={"tasks": {"ids": [task_id]}, "group_size": 1, "policy": SUBMIT,
+                                                  "agent": {"max_turns": 2}}).raise_for_status().json()
+        wait_rollout(http, created["id"])
+        [episode] = http.get("/v1/episodes", params={"rollout_id": created["id"]}).json()["items"]
+        started = datetime.fromisoformat(episode["started_at"])
+        out.append((started - datetime.fromisoformat(episode["created_at"])).total_seconds())
+    return out
+
+
+def throughput(http: httpx.Client, task_ids: dict[str, str], episodes: int, concurrency: int) -> float:
+    """Run one oracle rollout of ``episodes`` episodes; return episodes per minute."""
+    groups = max(1, episodes // 8)
+    ids = [task_ids[TASK_NAMES[i % len(TASK_NAMES)]] for i in range(groups)]
+    started = time.perf_counter()
+    created = http.post("/v1/rollouts", json={"tasks": {"ids": ids}, "group_size": 8, "policy": ORACLE,
+                                              "agent": {"max_turns": 4}, "concurrency": concurrency})
+    rollout = wait_rollout(http, created.raise_for_status().json()["id"])
+    elapsed = time.perf_counter() - started
+    done = rollout["progress"]["finished"]
+    return done / elapsed * 60
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--episodes", type=int, default=32)
+    args = parser.parse_args()
+    rows: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
+        work = Path(tmp)
+        # ----------------------------------------------------------------- embedded baseline
+        (work / "up").mkdir()
+        with Gateway(work / "up") as gw, httpx.Client(base_url=gw.url, timeout=300,
+                                                      headers={"Authorization": f"Bearer {gw.key}"}) as http:
+            tasks = import_tasks(http)
+            first = tasks[TASK_NAMES[0]]
+            rows["embedded REST step"] = med_ms(rest_steps(http, first, args.steps))
+            rows["embedded gRPC step"] = med_ms(grpc_session_steps(http, gw.grpc, gw.key, first, args.steps))
+            rows["embedded dispatch"] = med_ms(dispatch_latencies(http, first))
+            rows["embedded episodes/min"] = throughput(http, tasks, args.episodes, concurrency=4)
+        # ----------------------------------------------------------------- distributed
+        env = {"FORKYARD_GRPC_PORT": "0", "FORKYARD_FLEET__SCHEDULE_S": "0.2"}
+        with fleet(work / "fleet", env=env) as f:
+            url = f.start_gateway("a")
+            grpc_address = f.gateways["a"].wait_line("FORKYARD_GRPC", 10)
+            f.start_worker("n1", capacity=4)
+            with httpx.Client(base_url=url, timeout=300, headers={"Authorization": f"Bearer {f.api_key}"}) as http:
+                tasks = import_tasks(http)
+                first = tasks[TASK_NAMES[0]]
+                rows["fleet REST step"] = med_ms(rest_steps(http, first, args.steps))
+                rows["fleet gRPC step"] = med_ms(grpc_session_steps(http, grpc_address, f.api_key, first, args.steps))
+                rows["fleet dispatch"] = med_ms(dispatch_latencies(http, first))
+                rows["fleet episodes/min, 1 worker"] = throughput(http, tasks, args.episodes, concurrency=64)
+                f.start_worker("n2", capacity=4)
+                rows["fleet episodes/min, 2 workers"] = throughput(http, tasks, args.episodes, concurrency=64)
+                f.start_worker("n3", capacity=4)
+                rows["fleet episodes/min, 3 workers"] = throughput(http, tasks, args.episodes, concurrency=64)
+    print(f"# bench/fleet.py — {datetime.now():%Y-%m-%d %H:%M}, {platform.node()}, {platform.processor() or 'cpu'}, "
+          f"{__import__('os').cpu_count()} CPUs; {args.steps} steps, {args.episodes} episodes per rollout")
+    for name, value in rows.items():
+        unit = "" if "episodes/min" in name else " ms"
+        print(f"{name:34s} {value:9.2f}{unit}")
+    added = rows["fleet REST step"] - rows["embedded REST step"]
+    added_grpc = rows["fleet gRPC step"] - rows["embedded gRPC step"]
+    verdict = "met" if added <= TARGET_ADDED_MS else "missed"
+    print(f"the hop to a node adds {added:.2f} ms to a REST step, {added_grpc:.2f} ms to a gRPC step, at p50 "
+          f"(target <= {TARGET_ADDED_MS} ms: {verdict})")
+    print(f"dispatch: fleet / embedded = {rows['fleet dispatch'] / rows['embedded dispatch']:.2f}x")
+    one = rows["fleet episodes/min, 1 worker"]
+    print("throughput vs 1 worker: " + ", ".join(
+        f"{n} workers {rows[f'fleet episodes/min, {n} workers'] / one:.2f}x" for n in (2, 3))
+        + f"; embedded (concurrency 4) / 1 worker (capacity 4) = {rows['embedded episodes/min'] / one:.2f}x")
+    print("pool claim vs cold sandbox: not measured (warm pools are not built yet)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Sessions in the distributed mode: the gateways reach the node that owns a session's sandbox.
+
+A worker node serves ``forkyard.v1.Node/Call`` (gRPC, ``grpc.aio``) and writes its address
+with its heartbeat; a gateway keeps one persistent channel per node. :class:`FleetRuntime`
+stands where the embedded mode's ``WorkerRuntime`` stands for the sessions API: it places
+a new session on the up, undrained node with the fewest open sessions per slot, and routes
+every later call by the session's node (read once from the database, then cached), so a
+session opened through one gateway is stepped and closed through any other.
+
+Arguments and results are JSON; errors cross as the worker error's wire form
+(:meth:`workers.errors.WorkerError.to_wire`) and are raised again on the gateway by code.
+Snapshots and forks of sessions stay with the embedded mode for now (501 ``not_supported``).
+The node's side is :class:`gateway.fleet.worker.NodeServicer`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from gateway.grpc.codegen import modules
+from gateway.nodes import service as nodes_service
+from gateway.nodes.models import Node
+from gateway.sessions.models import EnvSession, SessionState
+from gateway.sessions.service import LABEL_TASK_ID
+from workers.errors import (
+    NotSupportedError,
+    SandboxBackendError,
+    SessionNotFoundError,
+    WorkerError,
+    from_wire,
+)
+
+logger = logging.getLogger(__name__)
+
+pb2, pb2_grpc = modules()
+
+@dataclass(frozen=True)
+class RemoteSandbox:
+    """A sandbox on a worker node, as its node describes it (the fields of ``SandboxInfo``)."""
+
+    id: str
+    backend: str
+    node: str
+    state: str
+    image: str
+    created_at: float
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RemoteStep:
+    """A step's outcome, as its node answered it (the fields of ``StepResult``)."""
+
+    observation: str
+    reward: float | None
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RemoteOpened:
+    """A session opened on a node (the fields of ``SessionOpened``)."""
+
+    session_id: str
+    sandbox: RemoteSandbox
+    observation: str
+    tools: list[dict[str, Any]]
+
+
+class NodeClient:
+    """One persistent gRPC channel to a worker node."""
+
+    def __init__(self, node: str, address: str) -> None:
+        self.node = node
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address)
+        self._call = self._channel.unary_unary(
+            "/forkyard.v1.Node/Call", request_serializer=pb2.NodeRequest.SerializeToString,
+            response_deserializer=pb2.NodeReply.FromString)
+
+    async def call(self, method: str, **args: Any) -> Any:
+        """Call ``method`` on the node; raise the worker error it answered, or SandboxBackendError if unreachable."""
+        try:
+            reply = await self._call(pb2.NodeRequest(method=method, args_json=json.dumps(args)))
+        except grpc.aio.AioRpcError as exc:
+            raise SandboxBackendError(f"node {self.node} ({self.address}) did not answer: "
+                                      f"{exc.code().name} {exc.details()}") from exc
+        if reply.error_json:
+            raise from_wire(json.loads(reply.error_json))
+        return json.loads(reply.result_json) if reply.result_json else None
+
+    async def aclose(self) -> None:
+        await self._channel.close()
+
+
+class FleetRuntime:
+    """The sessions API's runtime on a distributed-mode gateway: every session lives on a worker node."""
+
+    backend_name = "fleet"
+
+    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession]) -> None:
+        self._sessionmaker = sessionmaker
+        self._clients: dict[str, NodeClient] = {}
+        self._where: dict[str, str] = {}
+
+    async def place_session(self, db_session: AsyncSession) -> str:
+        """Return the node a new session goes to: up, not draining, reachable, fewest open sessions per slot.
+
+        Raises:
+            SandboxBackendError: no node can take it.
+        """
+        nodes = [n for n in await nodes_service.list_nodes(db_session=db_session) if n.state == "up" and n.address]
+        if not nodes:
+            raise SandboxBackendError("no worker node is up to take a session (start one with `forkyard worker`)")
+        rows = (await db_session.execute(
+            select(EnvSession.node).where(EnvSession.state == SessionState.OPEN))).scalars().all()
+        await db_session.commit()
+        open_by_node: dict[str, int] = {}
+        for node in rows:
+            open_by_node[node] = open_by_node.get(node, 0) + 1
+        return min(nodes, key=lambda n: (open_by_node.get(n.name, 0) / max(1, n.capacity), n.name)).name
+
+    async def _client(self, node: str, *, fresh: bool = False) -> NodeClient:
+        client = self._clients.get(node)
+        if client is not None and not fresh:
+            return client
+        async with self._sessionmaker() as db:
+            address = await db.scalar(select(Node.address).where(Node.name == node))
+        if not address:
+            raise SandboxBackendError(f"node {node} has no session channel (is it a `forkyard worker`?)")
+        if client is not None and client.address == address:
+            return client
+        if client is not None:
+            await client.aclose()
+        self._clients[node] = client = NodeClient(node, address)
+        return client
+
+    async def _node_of(self, session_id: str) -> str:
+        node = self._where.get(session_id)
+        if node is None:
+            async with self._sessionmaker() as db:
+                node = await db.scalar(select(EnvSession.node).where(EnvSession.id == session_id))
+            if node is None:
+                raise SessionNotFoundError(f"no session {session_id}")
+            self._where[session_id] = node
+        return node
+
+    async def _call(self, node: str, method: str, **args: Any) -> Any:
+        try:
+            return await (await self._client(node)).call(method, **args)
+        except SandboxBackendError:
+            # The node may have restarted on another port: read its address again, once.
+            return await (await self._client(node, fresh=True)).call(method, **args)
+
+    async def _session_call(self, session_id: str, method: str, **args: Any) -> Any:
+        return await self._call(await self._node_of(session_id), method, session_id=session_id, **args)
+
+    # ------------------------------------------------------------------ the runtime's session calls
+
+    async def open_session(self, session_id: str, task: Any, *, labels: dict[str, str] | None = None,
+                           env_version: str = "") -> RemoteOpened:
+        """Open the session on the node its row names (the node loads the task itself, by id)."""
+        labels = dict(labels or {})
+        data = await self._session_call(session_id, "open_session", task_id=labels.get(LABEL_TASK_ID, ""),
+                                        labels=labels)
+        return RemoteOpened(session_id, RemoteSandbox(**data["sandbox"]), data["observation"], data["tools"])
+
+    def has_session(self, session_id: str) -> bool:
+        return False  # the node holds it: the gateway reads the session's state first
+
+    def session_count(self) -> int:
+        return 0
+
+    async def step(self, session_id: str, tool: str, arguments: dict[str, Any]) -> RemoteStep:
+        return RemoteStep(**await self._session_call(session_id, "step", tool=tool, arguments=arguments))
+
+    async def close_session(self, session_id: str) -> None:
+        try:
+            await self._session_call(session_id, "close_session")
+        except SessionNotFoundError:
+            pass
+        finally:
+            self._where.pop(session_id, None)
+
+    async def list_sandboxes(self) -> list[RemoteSandbox]:
+        async with self._sessionmaker() as db:
+            nodes = [n for n in await nodes_service.list_nodes(db_session=db) if n.state != "down" and n.address]
+        found: list[RemoteSandbox] = []
+        for node in nodes:
+            try:
+                found.extend(RemoteSandbox(**s) for s in await self._call(node.name, "list_sandboxes"))
+            except WorkerError as exc:
+                logger.warning("listing the sandboxes of node %s failed: %s", node.name, exc)
+        return found
+
+    async def reap(self, keep_owner_ids: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+        return []  # each node reaps its own at start
+
+    async def sweep_transient_snapshots(self, keep_session_snapshots: set[str] | None = None) -> list[str]:
+        return []
+
+    async def snapshot_session(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotSupportedError("Snapshots and forks of sessions are served by the embedded mode (`forkyard up`) "
+                                "for now, not by the distributed mode's gateways.")
+
+    async def fork_session(self, *args: Any, **kwargs: Any) -> Any:
+        await self.snapshot_session()
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self.snapshot_session()
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients.clear()
