@@ -15,8 +15,11 @@ The node's side is :class:`gateway.fleet.worker.NodeServicer`.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,28 +79,73 @@ class RemoteOpened:
 
 
 class NodeClient:
-    """One persistent gRPC channel to a worker node."""
+    """One persistent gRPC stream to a worker node; concurrent calls are multiplexed over it by id."""
 
     def __init__(self, node: str, address: str) -> None:
         self.node = node
         self.address = address
         self._channel = grpc.aio.insecure_channel(address)
-        self._call = self._channel.unary_unary(
-            "/forkyard.v1.Node/Call", request_serializer=pb2.NodeRequest.SerializeToString,
+        self._open = self._channel.stream_stream(
+            "/forkyard.v1.Node/Calls", request_serializer=pb2.NodeRequest.SerializeToString,
             response_deserializer=pb2.NodeReply.FromString)
+        self._requests: asyncio.Queue[Any] | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._ids = itertools.count(1)
+
+    def _connect(self) -> asyncio.Queue[Any]:
+        """Open the stream if it is not open (again, after the node went away)."""
+        if self._requests is not None and self._reader is not None and not self._reader.done():
+            return self._requests
+        requests: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def outgoing() -> AsyncIterator[Any]:
+            while (request := await requests.get()) is not None:
+                yield request
+
+        call = self._open(outgoing())
+        self._requests = requests
+        self._reader = asyncio.create_task(self._read(call), name=f"node {self.node} replies")
+        return requests
+
+    async def _read(self, call: Any) -> None:
+        error: Exception | None = None
+        try:
+            async for reply in call:
+                future = self._pending.pop(reply.id, None)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+        except grpc.aio.AioRpcError as exc:
+            error = SandboxBackendError(f"node {self.node} ({self.address}) did not answer: "
+                                        f"{exc.code().name} {exc.details()}")
+        finally:
+            error = error or SandboxBackendError(f"node {self.node} ({self.address}) closed its session channel")
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(error)
+            self._pending.clear()
 
     async def call(self, method: str, **args: Any) -> Any:
         """Call ``method`` on the node; raise the worker error it answered, or SandboxBackendError if unreachable."""
+        requests = self._connect()
+        call_id = next(self._ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        requests.put_nowait(pb2.NodeRequest(id=call_id, method=method, args_json=json.dumps(args)))
         try:
-            reply = await self._call(pb2.NodeRequest(method=method, args_json=json.dumps(args)))
-        except grpc.aio.AioRpcError as exc:
-            raise SandboxBackendError(f"node {self.node} ({self.address}) did not answer: "
-                                      f"{exc.code().name} {exc.details()}") from exc
+            reply = await future
+        finally:
+            self._pending.pop(call_id, None)
         if reply.error_json:
             raise from_wire(json.loads(reply.error_json))
         return json.loads(reply.result_json) if reply.result_json else None
 
     async def aclose(self) -> None:
+        if self._requests is not None:
+            self._requests.put_nowait(None)
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
         await self._channel.close()
 
 
@@ -174,7 +222,9 @@ class FleetRuntime:
         return RemoteOpened(session_id, RemoteSandbox(**data["sandbox"]), data["observation"], data["tools"])
 
     def has_session(self, session_id: str) -> bool:
-        return False  # the node holds it: the gateway reads the session's state first
+        """Tell whether this gateway has routed the session and not closed it (its state is then not read
+        before a step; one closed through another gateway answers ``session_closed`` from its node)."""
+        return session_id in self._where
 
     def session_count(self) -> int:
         return 0

@@ -24,7 +24,7 @@ import logging
 import socket
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -333,17 +333,44 @@ class NodeServicer(pb2_grpc.NodeServicer):  # type: ignore[misc,name-defined]
         self._runtime = runtime
         self._load_task = load_task
 
-    async def Call(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+    async def Calls(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
+        """Answer a gateway's calls as they come, each in a task of its own (a long step holds up no other)."""
+        replies: asyncio.Queue[Any] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def answer(request: Any) -> None:
+            replies.put_nowait(await self._reply(request))
+
+        async def receive() -> None:
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(answer(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                await asyncio.gather(*running, return_exceptions=True)
+            finally:
+                replies.put_nowait(None)
+
+        receiver = asyncio.create_task(receive())
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+        finally:
+            receiver.cancel()
+            for task in list(running):
+                task.cancel()
+
+    async def _reply(self, request: Any) -> Any:
         try:
             args = json.loads(request.args_json or "{}")
             handler = getattr(self, f"_{request.method}", None)
             if handler is None:
                 raise NotSupportedError(f"unknown node call {request.method!r}")
-            return pb2.NodeReply(result_json=json.dumps(await handler(**args), default=str))
+            return pb2.NodeReply(id=request.id, result_json=json.dumps(await handler(**args), default=str))
         except WorkerError as exc:
-            return pb2.NodeReply(error_json=json.dumps(exc.to_wire(), default=str))
+            return pb2.NodeReply(id=request.id, error_json=json.dumps(exc.to_wire(), default=str))
         except Exception as exc:
-            return pb2.NodeReply(error_json=json.dumps(_sandbox_error(exc).to_wire()))
+            return pb2.NodeReply(id=request.id, error_json=json.dumps(_sandbox_error(exc).to_wire()))
 
     async def _open_session(self, session_id: str, task_id: str, labels: dict[str, str]) -> dict[str, Any]:
         task, env_version = await self._load_task(task_id)
