@@ -39,6 +39,11 @@ async def get_session_node(request: Request, db_session: Annotated[AsyncSession,
     return await place(db_session)
 
 
+async def get_fork_node(request: Request) -> str:
+    """Return the node forks start on: this one, or (distributed mode, "") the node holding the snapshot."""
+    return "" if getattr(request.app.state, "place_session", None) is not None else request.app.state.settings.node
+
+
 def step_gate_of(app: Any) -> StepGate:
     """Return ``app``'s record of which sessions are stepping or closing (REST and gRPC share it)."""
     gate = getattr(app.state, "step_gate", None)
@@ -62,3 +67,5 @@ Gate = Annotated[StepGate, Depends(get_step_gate)]
 """One step at a time per session (:class:`gateway.sessions.service.StepGate`)."""
 SessionNode = Annotated[str, Depends(get_session_node)]
 """The node a new session opens on."""
+ForkNode = Annotated[str, Depends(get_fork_node)]
+"""The node a fork starts on ("": the snapshot's)."""

@@ -167,8 +167,13 @@ def summarize_validation_errors(errors: Sequence[Any]) -> str:
     return message
 
 
+def as_gateway_error(exc: Exception) -> GatewayError:
+    """Return the gateway error any exception answers as at an edge (REST, gRPC): a bug is a bare 500."""
+    return map_foreign_error(exc) or GatewayError(500, "internal_error", "An internal error occurred.")
+
+
 async def _gateway_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    mapped = map_foreign_error(exc) or GatewayError(500, "internal_error", "An internal error occurred.")
+    mapped = as_gateway_error(exc)
     rid = request_id_of(request)
     if mapped.status >= 500:
         logger.warning("request %s failed with %s: %s", rid, mapped.code, exc, exc_info=exc)

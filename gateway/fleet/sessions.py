@@ -9,8 +9,8 @@ session opened through one gateway is stepped and closed through any other.
 
 Arguments and results are JSON; errors cross as the worker error's wire form
 (:meth:`workers.errors.WorkerError.to_wire`) and are raised again on the gateway by code.
-Snapshots and forks of sessions stay with the embedded mode for now (501 ``not_supported``).
-The node's side is :class:`gateway.fleet.worker.NodeServicer`.
+A session's snapshots stay on its node, and its forks start there. The node's side is
+:class:`gateway.fleet.worker.NodeServicer`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from gateway.nodes.models import Node
 from gateway.sessions.models import EnvSession, SessionState
 from gateway.sessions.service import LABEL_TASK_ID
 from workers.errors import (
-    NotSupportedError,
     SandboxBackendError,
     SessionNotFoundError,
     WorkerError,
@@ -76,6 +75,20 @@ class RemoteOpened:
     sandbox: RemoteSandbox
     observation: str
     tools: list[dict[str, Any]]
+
+
+class RemoteSnapshot:
+    """A session's snapshot on a node, as its node described it (``EnvSnapshot.to_json()``)."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._data = data
+        self.id: str = data["sandbox"]["id"]
+        self.sandbox = RemoteSandbox(id=self.id, backend=data["sandbox"]["backend"],
+                                     node=data["sandbox"].get("node", ""), state="ready",
+                                     image=data["sandbox"].get("image", ""), created_at=0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return self._data
 
 
 class NodeClient:
@@ -257,15 +270,33 @@ class FleetRuntime:
     async def sweep_transient_snapshots(self, keep_session_snapshots: set[str] | None = None) -> list[str]:
         return []
 
-    async def snapshot_session(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotSupportedError("Snapshots and forks of sessions are served by the embedded mode (`forkyard up`) "
-                                "for now, not by the distributed mode's gateways.")
+    async def snapshot_session(self, session_id: str, *, metadata: dict[str, str] | None = None) -> RemoteSnapshot:
+        """Snapshot a session on its node (the snapshot stays there: its forks start there too)."""
+        data = await self._session_call(session_id, "snapshot_session", metadata=dict(metadata or {}))
+        return RemoteSnapshot(data)
 
-    async def fork_session(self, *args: Any, **kwargs: Any) -> Any:
-        await self.snapshot_session()
+    async def fork_session(self, snapshot: Any, new_session_ids: list[str], task: Any, *,
+                           labels: dict[str, str] | None = None) -> list[RemoteOpened]:
+        """Start the forks on the node holding the snapshot."""
+        data = snapshot.to_json()
+        node = data["sandbox"].get("node") or ""
+        labels = dict(labels or {})
+        for session_id in new_session_ids:
+            self._where[session_id] = node
+        opened = await self._call(node, "fork_session", snapshot=data, session_ids=new_session_ids,
+                                  task_id=labels.get(LABEL_TASK_ID, ""), labels=labels)
+        return [RemoteOpened(o["session_id"], RemoteSandbox(**o["sandbox"]), o["observation"], o["tools"])
+                for o in opened]
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
-        await self.snapshot_session()
+        """Free a snapshot on whichever node holds it (deleting is idempotent: every live node is asked)."""
+        async with self._sessionmaker() as db:
+            nodes = [n for n in await nodes_service.list_nodes(db_session=db) if n.state != "down" and n.address]
+        for node in nodes:
+            try:
+                await self._call(node.name, "delete_snapshot", snapshot_id=snapshot_id)
+            except WorkerError as exc:
+                logger.warning("node %s: deleting snapshot %s failed: %s", node.name, snapshot_id, exc)
 
     async def aclose(self) -> None:
         for client in self._clients.values():

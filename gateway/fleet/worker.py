@@ -198,10 +198,17 @@ class NodeAgent:
         try:
             await run
         except asyncio.CancelledError:
-            return CANCELLED
+            pass
         finally:
             runs.discard(run)
-        return CANCELLED if run.cancelled() else RAN
+        if not run.cancelled():
+            return RAN
+        if not self._host.closing:
+            # Cancelled before its runner could record it (still queued for a stage slot, say): end
+            # what is still running now; an episode that already ended is left as it is.
+            await self._host.fail([e.id for e in started], "cancelled",
+                                  "the rollout was cancelled while the episode ran", lease=lease)
+        return CANCELLED
 
     async def _plan(self, rollout_id: str) -> tuple[Rollout, RolloutPlan]:
         assert self._host is not None
@@ -381,6 +388,21 @@ class NodeServicer(pb2_grpc.NodeServicer):  # type: ignore[misc,name-defined]
         result = await self._runtime.step(session_id, tool, arguments)
         return {"observation": result.observation, "reward": result.reward, "terminated": result.terminated,
                 "truncated": result.truncated, "info": result.info}
+
+    async def _snapshot_session(self, session_id: str, metadata: dict[str, str]) -> dict[str, Any]:
+        return dict((await self._runtime.snapshot_session(session_id, metadata=metadata)).to_json())
+
+    async def _fork_session(self, snapshot: dict[str, Any], session_ids: list[str], task_id: str,
+                            labels: dict[str, str]) -> list[dict[str, Any]]:
+        from workers.envs.base import EnvSnapshot
+
+        task, _ = await self._load_task(task_id)
+        opened = await self._runtime.fork_session(EnvSnapshot.from_json(snapshot), session_ids, task, labels=labels)
+        return [{"session_id": o.session_id, "sandbox": _sandbox(o.sandbox), "observation": o.observation,
+                 "tools": o.tools} for o in opened]
+
+    async def _delete_snapshot(self, snapshot_id: str) -> None:
+        await self._runtime.delete_snapshot(snapshot_id)
 
     async def _close_session(self, session_id: str) -> None:
         await self._runtime.close_session(session_id)

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from gateway.auth import service as auth_service
 from gateway.dependencies import step_gate_of
-from gateway.errors import GatewayError, map_foreign_error
+from gateway.errors import GatewayError, as_gateway_error
 from gateway.grpc.codegen import modules
 from gateway.sessions import service as sessions_service
 
@@ -70,10 +70,10 @@ class SessionsServicer(pb2_grpc.SessionsServicer):  # type: ignore[misc,name-def
             except json.JSONDecodeError as exc:
                 yield _error(request.seq, GatewayError(422, "validation_error", f"arguments_json is not JSON: {exc}."))
             except Exception as exc:
-                mapped = map_foreign_error(exc)
-                if mapped is None:
-                    logger.exception("gRPC step of session %s failed", session_id)
-                    mapped = GatewayError(500, "internal_error", "An internal error occurred.")
+                mapped = as_gateway_error(exc)
+                if mapped.status >= 500:
+                    logger.warning("gRPC step of session %s failed with %s: %s", session_id, mapped.code, exc,
+                                   exc_info=exc)
                 yield _error(request.seq, mapped)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query, Response
 
-from gateway.dependencies import CurrentSettings, DbSession, Gate, Runtime
+from gateway.dependencies import CurrentSettings, DbSession, ForkNode, Gate, Runtime
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.snapshots import service
 from gateway.snapshots.models import SnapshotRecord
@@ -38,11 +38,11 @@ async def snapshot_session(session_id: str, db_session: DbSession, runtime: Runt
 @router.post("/snapshots/{snapshot_id}/fork", status_code=201, response_model=ForkedSessions)
 async def fork_snapshot(
     snapshot_id: str, body: SnapshotFork, db_session: DbSession, runtime: Runtime, settings: CurrentSettings,
-    gate: Gate,
+    gate: Gate, node: ForkNode,
 ):
     """Start ``n`` sessions continuing from the snapshot; each inherits the steps up to it (``GET .../steps``)."""
     record, forks = await service.fork_snapshot(
-        db_session=db_session, runtime=runtime, snapshot_id=snapshot_id, n=body.n, node=settings.node,
+        db_session=db_session, runtime=runtime, snapshot_id=snapshot_id, n=body.n, node=node,
         max_open=settings.sessions.max_open, gate=gate,
     )
     return ForkedSessions(items=[

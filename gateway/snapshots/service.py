@@ -240,6 +240,7 @@ async def fork_snapshot(
     if known is None:  # written by another process (or long ago): read it before anything starts
         record = await get_snapshot(db_session=db_session, snapshot_id=snapshot_id)
         known = known_snapshots.put(record)
+    node = node or str(known.state["session"]["sandbox"].get("node") or "")  # "": where the snapshot is
     # No sandbox starts past the limit (the runtime's count; the database's is read beside the restore).
     await sessions_service.refuse_if_draining(db_session=db_session, node=node)
     if runtime.session_count() + n > max_open:

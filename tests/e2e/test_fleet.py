@@ -140,11 +140,37 @@ def test_a_session_opened_through_one_gateway_is_stepped_through_another(cluster
         sandboxes = httpx.get(f"{cluster.url('b')}/v1/sandboxes", headers={"Authorization": f"Bearer {cluster.api_key}"})
         assert sandboxes.status_code == 200
         assert [s for s in sandboxes.json()["items"] if s.get("session_id") == session.id]
-        with pytest.raises(forkyard.APIStatusError) as caught:  # forks stay with the embedded mode, said clearly
-            b.sessions.snapshot(session.id)
-        assert caught.value.status_code == 501
-        b.sessions.close(session.id)
-        assert a.sessions.get(session.id).state == "closed"
+        # A snapshot taken through B forks through A, on the node holding it; the forks go their own ways.
+        snapshot = b.sessions.snapshot(session.id)
+        forks = a.snapshots.fork(snapshot.id, n=2)
+        assert len(forks) == 2
+        for i, fork in enumerate(forks):
+            out = b.sessions.step(fork.id, "bash", command=f"echo branch{i} > mine && pwd && echo $FLEET")
+            assert "/tmp" in out.observation and "yes" in out.observation
+        assert "branch1" in a.sessions.step(forks[1].id, "bash", command="cat mine").observation
+        assert "No such file" in a.sessions.step(session.id, "bash", command="cat mine").observation
+        for one in [session, *forks]:
+            b.sessions.close(one.id)
+            assert a.sessions.get(one.id).state == "closed"
+        a.snapshots.delete(snapshot.id)
+
+
+def test_cancel_stops_the_episodes_running_on_the_nodes_at_once(cluster, task_ids):
+    hanging = {"name": "hanging", "api": "scripted", "model": "x",
+               "actions": [{"tool": "bash", "arguments": {"command": "sleep 120"}}, {"tool": "submit", "arguments": {}}]}
+    with client_of(cluster, "a") as a, client_of(cluster, "b") as b:
+        rollout = a.rollouts.create(tasks={"ids": [task_ids[n] for n in TASK_NAMES[:2]]}, group_size=3,
+                                    policy=hanging, agent={"max_turns": 4})
+        wait_for(lambda: len(list(b.episodes.list(rollout_id=rollout.id, status="running"))) == 6, 60,
+                 "all six episodes running")
+        started = time.monotonic()
+        b.rollouts.cancel(rollout.id)  # through the other gateway: the nodes hear it over Redis
+        wait_for(lambda: not list(a.episodes.list(rollout_id=rollout.id, status="running")), 30,
+                 "no episode running")
+        assert time.monotonic() - started < 30, "stopped long before the commands' 120 s"
+        assert a.rollouts.get(rollout.id).status == "cancelled"
+        assert {e.status for e in a.episodes.list(rollout_id=rollout.id)} == {"failed"}
+    wait_for(lambda: sum(nodes(cluster)[n]["load"]["episodes"] for n in NODES) == 0, 10, "the nodes idle")
 
 
 def test_a_worker_killed_mid_rollout_loses_nothing(cluster, task_ids):
