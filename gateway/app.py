@@ -51,9 +51,14 @@ logger = logging.getLogger(__name__)
 API_VERSION = "0.1.0"
 
 
-def build_runtime(settings: Settings) -> WorkerRuntime:
-    """Build the sandbox backend and the worker runtime the settings ask for (not started)."""
+def build_runtime(settings: Settings, *, default_pool_idle: int = 0) -> WorkerRuntime:
+    """Build the sandbox backend and the worker runtime the settings ask for (not started).
+
+    ``default_pool_idle`` is the warm pool's size when ``FORKYARD_POOL__MAX_IDLE`` is unset
+    (0, off, in the embedded mode; a node's capacity on ``forkyard worker``).
+    """
     from sandboxes.backends import create_backend
+    from workers.pool import PoolPolicy, WarmPool
     from workers.runtime import WorkerRuntime
     from workers.setup_cache import SetupCache
 
@@ -68,9 +73,17 @@ def build_runtime(settings: Settings) -> WorkerRuntime:
         cache = SetupCache(backend, settings.setup_cache.dir, max_bytes=settings.setup_cache.max_bytes)
     from workers.trust import read_ca_bundle
 
+    pooling = settings.pool
+    max_idle = pooling.max_idle if pooling.max_idle is not None else default_pool_idle
+    pool = None
+    if max_idle > 0:
+        policy = PoolPolicy(max_idle=max_idle, window_s=pooling.window_s, headroom=pooling.headroom,
+                            sizes=pooling.sizes, fill_concurrency=pooling.fill_concurrency,
+                            breaker_failures=pooling.breaker_failures, breaker_cooldown_s=pooling.breaker_cooldown_s)
+        pool = WarmPool(backend, policy, poolable=(lambda snap: cache.holds(snap.id)) if cache else lambda snap: False)
     return WorkerRuntime(backend, image_cache_dir=settings.image_cache_dir, setup_cache=cache,
                          ca_bundle=read_ca_bundle(settings.ca_bundle), stand_ins=settings.images.stand_ins,
-                         image_max_bytes=settings.images.max_bytes or None)
+                         image_max_bytes=settings.images.max_bytes or None, pool=pool)
 
 
 def _log_progress(line: str) -> None:
@@ -159,7 +172,7 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None, distrib
                 heartbeat = Heartbeat(
                     sessionmaker, node=settings.node, backend=rt.backend_name, capacity=settings.stages.agent,
                     load=lambda: {"sessions": rt.session_count(), "episodes": dispatcher.running_episodes},
-                    interval_s=settings.nodes.heartbeat_s,
+                    interval_s=settings.nodes.heartbeat_s, sandboxes=rt.list_sandboxes,
                 )
                 await heartbeat.start()
             if settings.grpc_port is not None:

@@ -122,8 +122,6 @@ async def _serve(server: Any, host: str, key: str | None) -> bool:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Run the embedded gateway: API + in-process worker + SQLite + the best sandbox backend."""
-    import uvicorn
-
     from gateway.app import create_app
     from gateway.logs import configure_logging
 
@@ -135,13 +133,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     settings = settings.model_copy(update={"bootstrap_api_key": SecretStr(key)})
     _stderr(f"forkyard: starting the gateway on {args.host}:{args.port} (data dir {settings.data_dir}, "
             f"backend {settings.backend}); the base image is built on first start, which takes a few minutes")
-    app = create_app(settings)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_config=None, access_log=False, lifespan="on",
-        timeout_graceful_shutdown=30,
-    )
-    server = _uvicorn_server_class()(config)
-    started = asyncio.run(_serve(server, args.host, key))
+    return _run_app(create_app(settings), args.host, args.port, key)
+
+
+def _run_app(app: Any, host: str, port: int, key: str | None) -> int:
+    """Serve ``app`` until a stop signal; print its URL (and ``key``) once it is ready."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=30)
+    started = asyncio.run(_serve(_uvicorn_server_class()(config), host, key))
     if not started:
         reason = app.state.startup_error
         raise CLIError(f"the gateway did not start: {reason}" if reason else "the gateway did not start; see the log")
@@ -165,24 +166,13 @@ def _fleet_settings(**overrides: Any) -> Settings:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     """Run a distributed-mode gateway: API, scheduler and delivery; episodes run on worker nodes."""
-    import uvicorn
-
     from gateway.app import create_app
     from gateway.logs import configure_logging
 
     configure_logging(args.log_level.upper())
     settings = _fleet_settings()
     _stderr(f"forkyard: starting a gateway on {args.host}:{args.port} (distributed mode)")
-    app = create_app(settings, distributed=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=30)
-    server = _uvicorn_server_class()(config)
-    started = asyncio.run(_serve(server, args.host, None))
-    if not started:
-        reason = app.state.startup_error
-        raise CLIError(f"the gateway did not start: {reason}" if reason else "the gateway did not start; see the log")
-    _stderr("forkyard: stopped")
-    return 0
+    return _run_app(create_app(settings, distributed=True), args.host, args.port, None)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ class Metric:
     kind: str
     """``counter`` or ``gauge``."""
     help: str
-    value: int
+    value: int | float
 
 
 def runtime_metrics(runtime: Any) -> list[Metric]:
@@ -55,6 +55,29 @@ def runtime_metrics(runtime: Any) -> list[Metric]:
         Metric("forkyard_setup_cache_entries", "gauge", "Entries in the setup cache.", stats.get("entries", 0)),
         Metric("forkyard_setup_cache_bytes", "gauge", "Bytes the setup cache's snapshots hold.",
                stats.get("bytes", 0)),
+        *pool_metrics(runtime),
+    ]
+
+
+def pool_metrics(runtime: Any) -> list[Metric]:
+    """Return the warm pool's metrics (zeros when the node pools nothing)."""
+    pool = getattr(runtime, "pool", None)
+    stats = pool.stats() if pool is not None else {}
+    return [
+        Metric("forkyard_pool_hits_total", "counter", "Sandbox starts served from the warm pool.", stats.get("hits", 0)),
+        Metric("forkyard_pool_misses_total", "counter", "Sandbox starts the warm pool had none idle for (cold).",
+               stats.get("misses", 0)),
+        Metric("forkyard_pool_fills_total", "counter", "Sandboxes the warm pool started.", stats.get("fills", 0)),
+        Metric("forkyard_pool_fill_failures_total", "counter", "Warm pool fills that failed.",
+               stats.get("fill_failures", 0)),
+        Metric("forkyard_pool_breaker_trips_total", "counter", "Times a pool key stopped filling after failures.",
+               stats.get("breaker_trips", 0)),
+        Metric("forkyard_pool_claim_seconds_total", "counter", "Seconds spent handing out pooled sandboxes (hits).",
+               stats.get("claim_seconds", 0.0)),
+        Metric("forkyard_pool_fill_seconds_total", "counter", "Seconds the successful fills took.",
+               stats.get("fill_seconds", 0.0)),
+        Metric("forkyard_pool_idle", "gauge", "Sandboxes idle in the warm pool.", stats.get("idle", 0)),
+        Metric("forkyard_pool_keys", "gauge", "Keys the warm pool tracks.", stats.get("keys", 0)),
     ]
 
 

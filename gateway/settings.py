@@ -47,6 +47,26 @@ class FleetSettings(BaseModel):
     episode (a node found down hands its work on long before)."""
 
 
+class PoolSettings(BaseModel):
+    """Warm pools of started sandboxes per node (``FORKYARD_POOL__*``; :mod:`workers.pool`)."""
+
+    max_idle: int | None = Field(default=None, ge=0, le=4096)
+    """Idle pooled sandboxes on one node, all keys together; 0 turns pools off. Default: off in the
+    embedded mode (``forkyard up``), the node's capacity on ``forkyard worker``."""
+    window_s: float = Field(default=120.0, gt=0)
+    """A key's demand is its claims in this many seconds."""
+    headroom: float = Field(default=1.2, gt=0, le=10)
+    """A key's target is its demand times this, rounded up."""
+    sizes: dict[str, int] = Field(default_factory=dict)
+    """Operator-set targets by pool key id or a prefix of it (JSON object); they replace demand."""
+    fill_concurrency: int = Field(default=1, ge=1, le=64)
+    """Fills run at once on one node (each is a cold start: keep it below the node's spare cores)."""
+    breaker_failures: int = Field(default=3, ge=1)
+    """Failed fills in a row that open a key's circuit breaker (its claims go cold meanwhile)."""
+    breaker_cooldown_s: float = Field(default=30.0, ge=0)
+    """The first trip's pause; each further trip doubles it, up to 300 s."""
+
+
 class StageLimitsSettings(BaseModel):
     """How many episodes of all rollouts may be in each stage at once on this node."""
 
@@ -231,6 +251,8 @@ class Settings(BaseSettings):
     stages: StageLimitsSettings = Field(default_factory=StageLimitsSettings)
     nodes: NodeSettings = Field(default_factory=NodeSettings)
     fleet: FleetSettings = Field(default_factory=FleetSettings)
+    pool: PoolSettings = Field(default_factory=PoolSettings)
+    """Warm pools (``FORKYARD_POOL__MAX_IDLE``, ``__WINDOW_S``, ``__SIZES``, ...)."""
     """Per-stage concurrency of rollout episodes (``FORKYARD_STAGES__SETUP`` / ``__AGENT`` / ``__VERIFY``)."""
 
     setup_cache: SetupCacheSettings = Field(default_factory=SetupCacheSettings)

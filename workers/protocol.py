@@ -26,6 +26,25 @@ POLICY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$"
 MAX_TREE_EPISODES = 1024
 
 
+#: Owner label (``forkyard.owner``) of a sandbox waiting in a node's warm pool.
+POOL_OWNER = "forkyard-pool"
+#: Owner label of the sandboxes ``forkyard swe synth`` runs.
+SYNTH_OWNER = "forkyard-swe-synth"
+_OWNER_PREFIXES = (("sess_", "session"), ("ep_", "episode"), ("grp_", "group"))
+
+
+def owner_kind(owner: str | None) -> str | None:
+    """Return what owns a sandbox from its owner label: ``session``, ``episode``, ``group`` (a lazy-fork
+    group's shared sandbox), ``pool``, ``synth``, ``other``; None for a sandbox without one."""
+    if not owner:
+        return None
+    if owner == POOL_OWNER:
+        return "pool"
+    if owner == SYNTH_OWNER:
+        return "synth"
+    return next((kind for prefix, kind in _OWNER_PREFIXES if owner.startswith(prefix)), "other")
+
+
 class EpisodeStatus(str, enum.Enum):
     """Lifecycle of an episode: queued -> running -> completed | truncated | failed | stale."""
 

@@ -35,6 +35,7 @@ from workers.errors import (
 )
 
 if TYPE_CHECKING:
+    from workers.pool import WarmPool
     from workers.setup_cache import SetupCache
 
 logger = logging.getLogger(__name__)
@@ -71,13 +72,14 @@ class WorkerRuntime:
         setup_cache: SetupCache | None = None,
         ca_bundle: bytes | None = None,
         image_max_bytes: int | None = None,
+        pool: WarmPool | None = None,
     ) -> None:
         self.backend = backend
         self.image_max_bytes = image_max_bytes
         """Cap on the bytes of built task and stand-in images (:mod:`workers.images`); None: no cap."""
         self.ctx = EnvContext(
             backend=backend, image_cache_dir=Path(image_cache_dir), base_image=base_image, stand_ins=stand_ins,
-            setup_cache=setup_cache, ca_bundle=ca_bundle,
+            setup_cache=setup_cache, ca_bundle=ca_bundle, pool=pool,
         )
         """What every env this runtime makes shares (backend, base image, setup cache, CA bundle, counters)."""
         self._envs: dict[str, tuple[Environment, EnvTask]] = {}
@@ -98,6 +100,11 @@ class WorkerRuntime:
     def setup_cache(self) -> SetupCache | None:
         """Post-setup snapshots of tasks with a reset hook, shared by every env this runtime makes."""
         return self.ctx.setup_cache
+
+    @property
+    def pool(self) -> WarmPool | None:
+        """Started sandboxes made ahead of demand, which resets claim (:mod:`workers.pool`)."""
+        return self.ctx.pool
 
     @property
     def counters(self) -> collections.Counter[str]:
@@ -132,6 +139,8 @@ class WorkerRuntime:
             self.ctx.base_image = await ensure_base_image(self.backend, self.ctx.image_cache_dir, progress=progress)
         if self.setup_cache is not None:
             await self.setup_cache.load()
+        if self.pool is not None:
+            self.pool.start()
 
     async def task_image(self, task: EnvTask, *, progress: Callable[[str], None] | None = None) -> str:
         """Return the image a task's sandboxes start from (its family prepares it, building on first use).
@@ -337,8 +346,8 @@ class WorkerRuntime:
         logger.info("snapshot %s forked into %d session(s)", snapshot.id, len(opened))
         return opened
 
-    async def delete_snapshot(self, snapshot_id: str) -> None:
-        """Free a backend snapshot (idempotent)."""
+    async def delete_snapshot(self, snapshot_id: str, *, node: str | None = None) -> None:
+        """Free a backend snapshot (idempotent); ``node`` is where it lives (here, the only node)."""
         await self.backend.delete_snapshot(snapshot_id)
         logger.info("snapshot %s deleted", snapshot_id)
 
@@ -363,13 +372,22 @@ class WorkerRuntime:
         return swept
 
     async def list_sandboxes(self) -> list[SandboxInfo]:
-        """Return every sandbox of this node, live or orphaned."""
-        return await self.backend.list()
+        """Return every sandbox of this node, live, orphaned or idle in the warm pool.
+
+        A sandbox claimed from the pool shows the labels of its claim (its owner), not the pool's.
+        """
+        listed = await self.backend.list()
+        if self.pool is None:
+            return listed
+        self.pool.forget_gone({info.id for info in listed})
+        return [self.pool.view(info) for info in listed]
 
     async def reap(self, keep_owner_ids: set[str] = frozenset()) -> list[str]:
         """Destroy this node's sandboxes that neither a live session here nor ``keep_owner_ids`` owns."""
         reaped = []
-        for info in await self.backend.list():
+        for info in await self.list_sandboxes():
+            if self.pool is not None and self.pool.holds(info.id):
+                continue
             owner = info.labels.get(LABEL_OWNER)
             if owner in self._envs or owner in keep_owner_ids:
                 continue
@@ -388,4 +406,6 @@ class WorkerRuntime:
                 await self.close_session(session_id)
             except Exception:  # keep closing the others
                 logger.exception("closing session %s failed", session_id)
+        if self.pool is not None:
+            await self.pool.aclose()
         await self.backend.aclose()

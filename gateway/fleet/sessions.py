@@ -254,15 +254,17 @@ class FleetRuntime:
             self._where.pop(session_id, None)
 
     async def list_sandboxes(self) -> list[RemoteSandbox]:
-        async with self._sessionmaker() as db:
-            nodes = [n for n in await nodes_service.list_nodes(db_session=db) if n.state != "down" and n.address]
-        found: list[RemoteSandbox] = []
-        for node in nodes:
+        """Return the sandboxes of every live node, asked at once; a node that fails to answer is left out."""
+
+        async def one(name: str) -> list[RemoteSandbox]:
             try:
-                found.extend(RemoteSandbox(**s) for s in await self._call(node.name, "list_sandboxes"))
+                return [RemoteSandbox(**s) for s in await self._call(name, "list_sandboxes")]
             except WorkerError as exc:
-                logger.warning("listing the sandboxes of node %s failed: %s", node.name, exc)
-        return found
+                logger.warning("listing the sandboxes of node %s failed: %s", name, exc)
+                return []
+
+        listed = await asyncio.gather(*(one(name) for name in await self._live_nodes()))
+        return [sandbox for found in listed for sandbox in found]
 
     async def reap(self, keep_owner_ids: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
         return []  # each node reaps its own at start
@@ -288,15 +290,30 @@ class FleetRuntime:
         return [RemoteOpened(o["session_id"], RemoteSandbox(**o["sandbox"]), o["observation"], o["tools"])
                 for o in opened]
 
-    async def delete_snapshot(self, snapshot_id: str) -> None:
-        """Free a snapshot on whichever node holds it (deleting is idempotent: every live node is asked)."""
-        async with self._sessionmaker() as db:
-            nodes = [n for n in await nodes_service.list_nodes(db_session=db) if n.state != "down" and n.address]
-        for node in nodes:
+    async def delete_snapshot(self, snapshot_id: str, *, node: str | None = None) -> None:
+        """Free a snapshot on ``node``, which holds it; without a node, on every live node (deleting is idempotent).
+
+        Raises:
+            WorkerError: ``node``'s answer (a node unreachable raises SandboxBackendError; the
+                caller retries at its next collection).
+        """
+        if node:
+            await self._call(node, "delete_snapshot", snapshot_id=snapshot_id)
+            return
+
+        async def one(name: str) -> None:
             try:
-                await self._call(node.name, "delete_snapshot", snapshot_id=snapshot_id)
+                await self._call(name, "delete_snapshot", snapshot_id=snapshot_id)
             except WorkerError as exc:
-                logger.warning("node %s: deleting snapshot %s failed: %s", node.name, snapshot_id, exc)
+                logger.warning("node %s: deleting snapshot %s failed: %s", name, snapshot_id, exc)
+
+        await asyncio.gather(*(one(name) for name in await self._live_nodes()))
+
+    async def _live_nodes(self) -> list[str]:
+        """Return the nodes not down that have a session channel."""
+        async with self._sessionmaker() as db:
+            nodes = await nodes_service.list_nodes(db_session=db)
+        return [n.name for n in nodes if n.state != "down" and n.address]
 
     async def aclose(self) -> None:
         for client in self._clients.values():

@@ -125,7 +125,7 @@ class NodeAgent:
         assert settings.redis_url
         self._bridge = RedisBridge(rollout_events, settings.redis_url)  # episodes finished here wake every gateway
         await self._bridge.start()
-        self._runtime = await asyncio.to_thread(build_runtime, settings)
+        self._runtime = await asyncio.to_thread(build_runtime, settings, default_pool_idle=self.capacity)
         await self._runtime.start(progress=lambda line: logger.info("image: %s", line))
         async with self._sessionmaker() as db:
             await sessions_service.recover_node(db_session=db, runtime=self._runtime, node=self.node)
@@ -145,6 +145,7 @@ class NodeAgent:
         self._heartbeat = Heartbeat(
             self._sessionmaker, node=self.node, backend=self._runtime.backend_name, capacity=self.capacity,
             load=self._load, interval_s=settings.nodes.heartbeat_s, address=self.address,
+            sandboxes=self._runtime.list_sandboxes,
         )
         await self._heartbeat.start()
         self._background = [asyncio.create_task(self._listen(), name="cancel listener"),
@@ -153,8 +154,9 @@ class NodeAgent:
                     self._runtime.backend_name, self.capacity, self.address, redact_database_url(url))
 
     def _load(self) -> dict[str, Any]:
+        pool = self._runtime.pool
         return {"episodes": sum(len(runs) for runs in self._runs.values()), "sessions": self._runtime.session_count(),
-                "jobs": dict(self.outcomes)}
+                "jobs": dict(self.outcomes), **({"pool": pool.stats()} if pool is not None else {})}
 
     async def _run_job(self, rollout_id: str, episode_id: str) -> str:
         outcome = await self._run(rollout_id, episode_id)
@@ -191,8 +193,7 @@ class NodeAgent:
         started = await self._host.claim(members, lease=lease)
         if not started:
             return DUPLICATE
-        run = asyncio.create_task(self._host.run(rollout, plan, started, task, env_version, lease=lease),
-                                  name=f"episode {started[0].id}")
+        run = self._host.spawn(rollout, plan, started, task, env_version, lease=lease)
         runs = self._runs.setdefault(rollout_id, set())
         runs.add(run)
         try:
@@ -201,14 +202,7 @@ class NodeAgent:
             pass
         finally:
             runs.discard(run)
-        if not run.cancelled():
-            return RAN
-        if not self._host.closing:
-            # Cancelled before its runner could record it (still queued for a stage slot, say): end
-            # what is still running now; an episode that already ended is left as it is.
-            await self._host.fail([e.id for e in started], "cancelled",
-                                  "the rollout was cancelled while the episode ran", lease=lease)
-        return CANCELLED
+        return CANCELLED if run.cancelled() else RAN
 
     async def _plan(self, rollout_id: str) -> tuple[Rollout, RolloutPlan]:
         assert self._host is not None

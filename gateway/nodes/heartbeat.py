@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.db import utcnow
 from gateway.nodes import service
+from gateway.sandboxes.service import record_sandboxes
 
 logger = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    """Write this node's heartbeat every ``interval_s`` until closed; keep its drain flag for the executor."""
+    """Write this node's heartbeat every ``interval_s`` until closed; keep its drain flag for the executor.
+
+    With ``sandboxes`` (the runtime's listing), every beat also brings the node's sandbox rows
+    in line with what is live (:func:`gateway.sandboxes.service.record_sandboxes`).
+    """
 
     def __init__(
         self,
@@ -27,8 +33,10 @@ class Heartbeat:
         load: Callable[[], dict[str, Any]],
         interval_s: float,
         address: str | None = None,
+        sandboxes: Callable[[], Awaitable[Sequence[Any]]] | None = None,
     ) -> None:
         self.address = address
+        self._sandboxes = sandboxes
         self._sessionmaker = sessionmaker
         self.node = node
         self._backend = backend
@@ -57,6 +65,19 @@ class Heartbeat:
                     await service.settle_down_nodes(db_session=db, exclude=self.node)
             except Exception:  # a database hiccup must not end the heartbeats for good
                 logger.warning("node %s: heartbeat (or settling the nodes found down) failed", self.node, exc_info=True)
+            if self._sandboxes is not None:
+                try:
+                    await self.record_sandboxes()
+                except Exception:
+                    logger.warning("node %s: recording its sandboxes failed", self.node, exc_info=True)
+
+    async def record_sandboxes(self) -> int:
+        """Write this node's sandbox rows from its live listing now; return how many changed."""
+        assert self._sandboxes is not None
+        listed_at = utcnow()
+        live = await self._sandboxes()
+        async with self._sessionmaker() as db:
+            return await record_sandboxes(db_session=db, node=self.node, live=live, listed_at=listed_at)
 
     async def aclose(self) -> None:
         if self._task is not None:

@@ -140,8 +140,7 @@ class Dispatcher:
                     if not started:
                         slots.release()
                         continue
-                    coro = self._host.run(rollout, plan, started, task, env_version)
-                    run = asyncio.create_task(coro, name=f"episode {started[0].id}")
+                    run = self._host.spawn(rollout, plan, started, task, env_version)
                     for member in started:
                         running[member.id] = run
                     ids = [m.id for m in started]

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: The error of an episode its rollout's cancel stopped.
+CANCELLED_WHILE_RUNNING = "the rollout was cancelled while the episode ran"
+
 #: A task ready to run, and its environment's ``name@version`` (part of the setup cache key).
 LoadedTask = tuple["EnvTask", str]
 
@@ -71,6 +74,8 @@ class EpisodeHost:
         """The policies' versions and pause flags, cached for every episode this host runs."""
         self.closing = False
         """Set at shutdown: a cancelled episode is then left running (requeued at the next start), not failed."""
+        self._cleanups: set[asyncio.Task[None]] = set()
+        """Failing the episodes of cancelled runs (held so they finish)."""
 
     async def load_plan(self, rollout_id: str) -> tuple[Rollout, RolloutPlan]:
         """Return a rollout and its plan (policy client, agent, limits) from its row.
@@ -127,6 +132,30 @@ class EpisodeHost:
         else:
             await self.run_shared_group(rollout, plan, episodes, task, env_version, lease=lease)
 
+    def spawn(
+        self, rollout: Rollout, plan: RolloutPlan, episodes: list[Episode], task: EnvTask, env_version: str, *,
+        lease: str | None = None,
+    ) -> asyncio.Task[None]:
+        """Start :meth:`run` as a task that a cancel (the rollout's) can stop at any point.
+
+        A cancel landing before the runner recorded anything (the task not started yet, or
+        its episode waiting for a stage slot) still ends the claimed episodes: those still
+        running are failed ``cancelled``; one that already ended is left as it is. At
+        shutdown (:attr:`closing`) they are left running, to be requeued at the next start.
+        """
+        run = asyncio.create_task(self.run(rollout, plan, episodes, task, env_version, lease=lease),
+                                  name=f"episode {episodes[0].id}")
+        ids = [e.id for e in episodes]
+
+        def ended(done: asyncio.Task[None]) -> None:
+            if done.cancelled() and not self.closing:
+                cleanup = asyncio.create_task(self.fail(ids, "cancelled", CANCELLED_WHILE_RUNNING, lease=lease))
+                self._cleanups.add(cleanup)
+                cleanup.add_done_callback(self._cleanups.discard)
+
+        run.add_done_callback(ended)
+        return run
+
     async def run_shared_group(
         self, rollout: Rollout, plan: RolloutPlan, episodes: list[Episode], task: EnvTask, env_version: str, *,
         lease: str | None = None,
@@ -163,8 +192,7 @@ class EpisodeHost:
             branches = await self._running_branches(job.root_episode_id or job.episode_id) if plan.branching else []
             if self.closing:
                 raise  # shutdown: left running, failed (or requeued) at the next start
-            await self.fail([episode.id, *branches], "cancelled", "the rollout was cancelled while the episode ran",
-                            lease=lease)
+            await self.fail([episode.id, *branches], "cancelled", CANCELLED_WHILE_RUNNING, lease=lease)
             raise
         except WorkerError as exc:  # e.g. the scripted policy has no oracle for this task
             await self.fail([episode.id], "error", str(exc), lease=lease)

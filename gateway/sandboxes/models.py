@@ -1,4 +1,9 @@
-"""The ``sandbox`` table: which sandbox served which session, and when it went away."""
+"""The ``sandbox`` table: every sandbox a node ran, what it served, and when it went away.
+
+A session's row is written when the session opens. Every other sandbox (an episode's, a
+lazy-fork group's, one idle in the warm pool) gets its row from the node's heartbeat, which
+also marks the rows of sandboxes no longer live as gone (:func:`gateway.sandboxes.service.record_sandboxes`).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from sandboxes.base import SandboxState
 
 
 class Sandbox(Base):
-    """One sandbox a session ran in; ``id`` is the backend's sandbox id."""
+    """One sandbox of a node; ``id`` is the backend's sandbox id."""
 
     __tablename__ = "sandbox"
     __table_args__ = (Index("ix_sandbox_node_gone_at", "node", "gone_at"),)
@@ -25,5 +30,9 @@ class Sandbox(Base):
     )
     session_id: Mapped[str | None] = mapped_column(ForeignKey("session.id"), index=True, default=None)
     task_id: Mapped[str | None] = mapped_column(ForeignKey("task.id"), default=None)
+    owner_kind: Mapped[str | None] = mapped_column(String(16), default=None)
+    """``session``, ``episode``, ``group``, ``pool``, ``synth`` or ``other`` (:func:`workers.protocol.owner_kind`)."""
+    owner_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    rollout_id: Mapped[str | None] = mapped_column(String(64), default=None)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     gone_at: Mapped[datetime | None] = mapped_column(default=None)

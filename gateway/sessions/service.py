@@ -200,9 +200,10 @@ async def open_session(
     sandbox = opened.sandbox
     row.sandbox_id = sandbox.id
     row.backend = sandbox.backend
-    db_session.add(Sandbox(
+    await db_session.merge(Sandbox(  # merge: a sandbox claimed from the warm pool may have a row already
         id=sandbox.id, node=sandbox.node, backend=sandbox.backend, state=sandbox.state, session_id=row.id,
-        task_id=task.id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC),
+        task_id=task.id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC), owner_kind="session",
+        owner_id=row.id,
     ))
     await db_session.commit()
     logger.info("session %s opened on task %s in sandbox %s (%s)", row.id, task.id, sandbox.id, sandbox.backend)

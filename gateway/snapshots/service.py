@@ -136,7 +136,7 @@ async def snapshot_session(
         db_session.add(record)
         await db_session.commit()
     except BaseException:  # unrecorded, nothing would ever free it
-        await asyncio.shield(runtime.delete_snapshot(snap.id))
+        await asyncio.shield(runtime.delete_snapshot(snap.id, node=source.node))
         raise
     known_snapshots.put(record)
     logger.info("session %s: snapshot %s (backend %s)", session_id, record.id, snap.id)
@@ -162,7 +162,8 @@ async def _drop_snapshot(runtime: WorkerRuntime, snapping: asyncio.Future) -> No
     async def drop() -> None:
         await asyncio.wait([snapping])
         if not snapping.cancelled() and snapping.exception() is None:
-            await runtime.delete_snapshot(snapping.result().id)
+            snap = snapping.result()
+            await runtime.delete_snapshot(snap.id, node=snap.sandbox.node)
 
     await asyncio.shield(asyncio.ensure_future(drop()))
 
@@ -328,9 +329,10 @@ async def _claim_sandbox(
         logger.info("fork %s was closed while starting; its sandbox %s goes", session_id, sandbox.id)
         await sessions_service._release(runtime, session_id)
         return
-    db_session.add(Sandbox(
+    await db_session.merge(Sandbox(
         id=sandbox.id, node=sandbox.node, backend=sandbox.backend, state=sandbox.state, session_id=session_id,
-        task_id=task_id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC),
+        task_id=task_id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC), owner_kind="session",
+        owner_id=session_id,
     ))
     await db_session.commit()
 
@@ -425,7 +427,7 @@ async def collect_garbage(*, db_session: AsyncSession, runtime: WorkerRuntime, n
         ref = backend_snapshot_id(record)
         if ref not in still_used:  # content-addressed: another record may share the backend snapshot
             try:
-                await runtime.delete_snapshot(ref)
+                await runtime.delete_snapshot(ref, node=node)
             except Exception:
                 logger.exception("snapshot %s: freeing backend snapshot %s failed; will retry", record.id, ref)
                 continue

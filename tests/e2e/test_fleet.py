@@ -108,6 +108,25 @@ def test_rollout_is_delivered_exactly_once_through_either_gateway(cluster, task_
     wait_for(lambda: sum(nodes(cluster)[n]["load"]["jobs"]["ran"] for n in NODES) >= 7 * 8, 10, "the jobs' counts")
 
 
+def test_repeated_tasks_claim_warm_sandboxes_from_the_nodes_pools(cluster, task_ids):
+    # The rollout before asked for these tasks' sandboxes, so every node keeps some started for them.
+    def pools() -> dict[str, dict]:
+        return {n: node["load"]["pool"] for n, node in nodes(cluster).items() if n in NODES}
+
+    wait_for(lambda: sum(p["idle"] for p in pools().values()) >= len(NODES), 60, "the pools to fill")
+    before = pools()
+    assert all(p["max_idle"] == 4 for p in before.values()), "a node pools up to its capacity by default"
+    names = TASK_NAMES[:3]
+    with client_of(cluster, "a") as client:
+        rollout = client.rollouts.create(tasks={"ids": [task_ids[n] for n in names]}, group_size=4, policy=ORACLE,
+                                         agent={"max_turns": 4})
+        assert {e.reward for e in deliver_all(client, rollout.id, expected=3 * 4)} == {1.0}
+    wait_for(lambda: sum(p["hits"] for p in pools().values()) > sum(p["hits"] for p in before.values()), 10,
+             "claims from the pools")
+    after = pools()
+    assert sum(p["fill_failures"] for p in after.values()) == 0
+
+
 def test_a_duplicate_delivery_exits_without_running(cluster, task_ids):
     celery = celery_app(cluster.redis.url, visibility_timeout_s=3600)
     with client_of(cluster, "b") as client:

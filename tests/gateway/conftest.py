@@ -67,12 +67,12 @@ class FakeRuntime:
             progress("fake base image ready")
         self.started = True
 
-    def add_orphan(self, owner: str, sandbox_id: str | None = None) -> str:
+    def add_orphan(self, owner: str, sandbox_id: str | None = None, *, labels: Mapping[str, str] | None = None) -> str:
         """Create a sandbox no live session of this runtime owns (as a crashed process would leave)."""
         sandbox_id = sandbox_id or "sbx_" + secrets.token_hex(6)
         self.sandboxes[sandbox_id] = SandboxInfo(
             id=sandbox_id, backend="fake", node=self.node, state=SandboxState.READY, image="fake/base:1",
-            created_at=time.time(), labels={LABEL_NODE: self.node, LABEL_OWNER: owner},
+            created_at=time.time(), labels={LABEL_NODE: self.node, LABEL_OWNER: owner, **(labels or {})},
         )
         return sandbox_id
 
@@ -148,7 +148,7 @@ class FakeRuntime:
             opened.append(result)
         return opened
 
-    async def delete_snapshot(self, snapshot_id: str) -> None:
+    async def delete_snapshot(self, snapshot_id: str, *, node: str | None = None) -> None:
         if self.snapshots.pop(snapshot_id, None) is not None:
             self.deleted_snapshots.append(snapshot_id)
 

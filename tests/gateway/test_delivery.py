@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
 import uvicorn
 from fastapi import FastAPI
 
 from gateway.app import create_app
 from gateway.rollouts import delivery
+from tests.fleet import postgres_database
 from tests.gateway.conftest import API_KEY, FakeRuntime, asgi_client, assert_error, make_settings
 from tests.gateway.rollout_helpers import (
     RecordingDispatcher,
@@ -29,7 +28,6 @@ from tests.gateway.rollout_helpers import (
 )
 from tests.live import free_port
 
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 @pytest.fixture(autouse=True)
 def dispatcher(request: pytest.FixtureRequest) -> Iterator[RecordingDispatcher | None]:
@@ -460,14 +458,8 @@ async def test_sse_stream_delivers_and_resumes_from_last_event_id(gateway, monke
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A fresh PostgreSQL database for one test, dropped afterwards."""
-    name = f"forkyard_test_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with postgres_database() as url:
+        yield url
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])

@@ -24,12 +24,21 @@ FAMILIES = {
     "forkyard_setup_cache_evictions_total": "counter",
     "forkyard_setup_cache_entries": "gauge",
     "forkyard_setup_cache_bytes": "gauge",
+    "forkyard_pool_hits_total": "counter",
+    "forkyard_pool_misses_total": "counter",
+    "forkyard_pool_fills_total": "counter",
+    "forkyard_pool_fill_failures_total": "counter",
+    "forkyard_pool_breaker_trips_total": "counter",
+    "forkyard_pool_claim_seconds_total": "counter",
+    "forkyard_pool_fill_seconds_total": "counter",
+    "forkyard_pool_idle": "gauge",
+    "forkyard_pool_keys": "gauge",
 }
 
 
-def parse(text: str) -> dict[str, int]:
+def parse(text: str) -> dict[str, float]:
     """Parse Prometheus text into {name: value}, checking every sample has its HELP and TYPE lines."""
-    samples: dict[str, int] = {}
+    samples: dict[str, float] = {}
     helps: set[str] = set()
     types: dict[str, str] = {}
     for line in text.splitlines():
@@ -41,7 +50,7 @@ def parse(text: str) -> dict[str, int]:
         else:
             name, value = line.split(" ")
             assert name in helps and name in types, f"{name} has no HELP/TYPE line"
-            samples[name] = int(value)
+            samples[name] = float(value)
     assert types == FAMILIES
     return samples
 
@@ -116,3 +125,22 @@ async def test_metrics_export_the_setup_cache(tmp_path: Path) -> None:
         finally:
             await backend.aclose()
             shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_metrics_export_the_warm_pool(tmp_path: Path) -> None:
+    from sandboxes.base import SandboxSpec as Spec
+    from tests.workers.test_pool import FakeBackend, settle
+    from workers.pool import PoolPolicy, WarmPool
+
+    runtime = FakeRuntime()
+    runtime.pool = WarmPool(FakeBackend(), PoolPolicy(max_idle=4))  # type: ignore[arg-type]
+    await runtime.pool.create(Spec(image="img"))  # a miss: the key now wants ceil(1.2) = 2
+    await settle(runtime.pool, idle=2)
+    await runtime.pool.create(Spec(image="img"))  # a hit
+    app = create_app(make_settings(tmp_path), runtime=runtime)
+    async with app.router.lifespan_context(app), asgi_client(app, api_key=None) as client:
+        samples = parse((await client.get("/metrics")).text)
+    await runtime.pool.aclose()
+    assert samples["forkyard_pool_hits_total"] == 1 and samples["forkyard_pool_misses_total"] == 1
+    assert samples["forkyard_pool_fills_total"] == 2 and samples["forkyard_pool_idle"] == 1
+    assert samples["forkyard_pool_keys"] == 1 and samples["forkyard_pool_fill_seconds_total"] > 0

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
-import psycopg
 import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
@@ -25,10 +23,10 @@ from gateway.db import (
     sync_database_url,
     upgrade_database,
 )
+from tests.fleet import postgres_database
 from tests.gateway.conftest import FakeRuntime, asgi_client, make_settings, task_files
 
 ROOT = Path(__file__).resolve().parents[2]
-PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 TABLES = {"api_key", "environment", "task", "session", "sandbox", "alembic_version", "policy", "rollout",
           "episode_group", "episode", "episode_step", "delivery_consumer", "delivery_lease", "snapshot"}
 
@@ -36,14 +34,8 @@ TABLES = {"api_key", "environment", "task", "session", "sandbox", "alembic_versi
 @pytest.fixture(scope="module")
 def pg_url() -> Iterator[str]:
     """A fresh PostgreSQL database for this module, dropped afterwards."""
-    name = f"forkyard_test_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with postgres_database() as url:
+        yield url
 
 
 def assert_schema_matches_models(url: str) -> None:

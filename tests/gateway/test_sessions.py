@@ -74,6 +74,21 @@ async def test_sandboxes_listing_joins_sessions_and_tasks(gateway):
     assert row["node"] == "test-node" and row["backend"] == "fake" and row["state"] == "ready"
     assert row["age_s"] >= 0 and row["created_at"]
     assert rows[orphan]["session_id"] == "sess_from_elsewhere" and rows[orphan]["task_id"] is None
+    assert (row["owner_kind"], row["owner_id"]) == ("session", opened["id"])
+
+
+async def test_sandbox_listing_names_every_kind_of_owner(gateway):
+    owners = {
+        "ep_1": ("episode", "ep_1", "ro_1"), "grp_1": ("group", "grp_1", "ro_1"), "forkyard-pool": ("pool", None, None),
+        "forkyard-swe-synth": ("synth", None, None), "someone": ("other", None, None),
+    }
+    made = {gateway.runtime.add_orphan(owner, labels={"forkyard.rollout": "ro_1"} if kind[2] else None): owner
+            for owner, kind in owners.items()}
+    rows = {row["id"]: row for row in (await gateway.client.get("/v1/sandboxes")).json()["items"]}
+    for sandbox_id, owner in made.items():
+        row = rows[sandbox_id]
+        assert (row["owner_kind"], row["owner_id"], row["rollout_id"]) == owners[owner], owner
+        assert row["session_id"] is None, "only a session's sandbox names a session"
 
 
 async def test_list_sessions_by_state_with_paging(gateway):
@@ -194,3 +209,38 @@ async def test_step_records_are_written_behind_in_order_and_settle_waits_for_the
     assert [w for w in written if w[0] == "a"] == [("a", 0), ("a", 2)]
     assert "writing a step's record failed" in caplog.text
     await gate.settle("never-stepped")  # nothing pending: returns at once
+
+
+async def test_every_live_sandbox_gets_a_row_and_gone_ones_are_marked(gateway):
+    from sqlalchemy import select
+
+    from gateway.nodes.heartbeat import Heartbeat
+    from gateway.sandboxes.models import Sandbox
+
+    sessionmaker = gateway.app.state.sessionmaker
+    beat = Heartbeat(sessionmaker, node=gateway.runtime.node, backend="fake", capacity=1, load=dict, interval_s=60,
+                     sandboxes=gateway.runtime.list_sandboxes)
+
+    async def rows() -> dict[str, Sandbox]:
+        async with sessionmaker() as db:
+            return {row.id: row for row in (await db.scalars(select(Sandbox))).all()}
+
+    task = await gateway.import_task("rows")
+    opened = await gateway.open_session(task["id"])
+    episode = gateway.runtime.add_orphan("ep_1", labels={"forkyard.rollout": "ro_1"})
+    pooled = gateway.runtime.add_orphan("forkyard-pool")
+    assert await beat.record_sandboxes() == 2, "the session's row exists already; the other two are new"
+    found = await rows()
+    assert (found[opened["sandbox_id"]].owner_kind, found[opened["sandbox_id"]].session_id) == ("session", opened["id"])
+    assert (found[episode].owner_kind, found[episode].owner_id, found[episode].rollout_id) == ("episode", "ep_1", "ro_1")
+    assert found[pooled].owner_kind == "pool" and found[pooled].gone_at is None
+
+    # The pooled sandbox is claimed by an episode (the runtime's listing shows its new owner).
+    info = gateway.runtime.sandboxes[pooled]
+    gateway.runtime.sandboxes[pooled] = type(info)(**{**info.__dict__, "labels": {"forkyard.owner": "ep_2"}})
+    del gateway.runtime.sandboxes[episode]
+    assert await beat.record_sandboxes() == 2
+    found = await rows()
+    assert (found[pooled].owner_kind, found[pooled].owner_id) == ("episode", "ep_2")
+    assert found[episode].gone_at is not None and found[episode].state == "gone"
+    assert await beat.record_sandboxes() == 0, "nothing changed since"

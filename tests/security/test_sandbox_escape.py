@@ -345,3 +345,38 @@ async def test_disk_fill_stops_at_the_sandbox_quota(backend, still_serving, requ
     # The sandbox still runs commands once full, and frees its space when it is gone.
     assert (await run(backend, info.id, "rm /tmp/fill && echo freed")).stdout == "freed\n"
     await still_serving()
+
+
+# ------------------------------------------------------------ warm pools
+
+
+async def test_a_pooled_sandbox_carries_nothing_from_another_claim(backend, still_serving):
+    """An agent plants files, shared memory and a process, hoping the next episode's pooled sandbox inherits them."""
+    from sandboxes.base import LABEL_OWNER
+    from workers.pool import PoolPolicy, WarmPool
+
+    pool = WarmPool(backend, PoolPolicy(max_idle=2, headroom=2.0))
+    spec = SandboxSpec(image=BASE_REF, labels={LABEL_OWNER: "ep_hostile"})
+    try:
+        await backend.destroy((await pool.create(spec)).id)  # a miss: the key now wants 2
+        for _ in range(600):
+            await pool.reconcile()
+            if pool.stats()["idle"] == 2 and pool.stats()["filling"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        hostile = await pool.create(spec)
+        plant = ("echo planted > /tmp/plant; echo planted > /dev/shm/plant; echo planted > /root/plant; "
+                 "(exec -a forkyard-plant sleep 600) >/dev/null 2>&1 & echo started")
+        assert (await run(backend, hostile.id, plant)).stdout.strip() == "started"
+        victim = await pool.create(SandboxSpec(image=BASE_REF, labels={LABEL_OWNER: "ep_victim"}))
+        assert pool.stats()["hits"] == 2 and victim.id != hostile.id
+        look = ("cat /tmp/plant /dev/shm/plant /root/plant 2>&1; "
+                "grep -l 'forkyard-pla[n]t' /proc/[0-9]*/cmdline 2>/dev/null | wc -l")
+        planted = await run(backend, hostile.id, look)  # the probe does see a plant where there is one
+        assert planted.stdout.count("planted") == 3 and planted.stdout.strip().endswith("1"), planted.stdout
+        probe = await run(backend, victim.id, look)
+        assert "planted" not in probe.stdout and probe.stdout.strip().endswith("0"), probe.stdout
+        await backend.destroy(hostile.id)
+        await backend.destroy(victim.id)
+    finally:
+        await pool.aclose()

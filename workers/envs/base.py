@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from sandboxes.base import SandboxBackend, SandboxInfo
     from sandboxes.snapshots import Snapshot
+    from workers.pool import WarmPool
     from workers.setup_cache import SetupCache
 
 
@@ -110,6 +111,8 @@ class EnvContext:
     stand_ins: Mapping[str, str] | None = None
     """Image name patterns to stand-ins (:mod:`workers.standins`); None: the default table."""
     setup_cache: SetupCache | None = None
+    pool: WarmPool | None = None
+    """Started sandboxes made ahead of demand (:mod:`workers.pool`); resets claim from it."""
     ca_bundle: bytes | None = None
     """The host's CA certificates, trusted in builds and networked sandboxes (:mod:`workers.trust`)."""
     counters: collections.Counter[str] = field(default_factory=collections.Counter)

@@ -21,11 +21,15 @@ import collections
 import math
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sandboxes.base import ExecResult, SandboxBackend, SandboxInfo
+from sandboxes.base import ExecResult, SandboxBackend, SandboxInfo, SandboxSpec
 from workers.envs.base import StepResult, ToolSpec
 from workers.errors import ActionError, SessionClosedError
+
+if TYPE_CHECKING:
+    from sandboxes.snapshots import Snapshot
+    from workers.pool import WarmPool
 
 #: Seconds a bash call may run when the agent gives no timeout (and the caller no budget).
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
@@ -118,8 +122,9 @@ class SandboxedEnv:
 
     def __init__(self, backend: SandboxBackend, *, agent_timeout_s: float,
                  counters: collections.Counter[str] | None = None,
-                 max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES) -> None:
+                 max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES, pool: WarmPool | None = None) -> None:
         self.backend = backend
+        self.pool = pool
         self.counters = counters
         self.max_output_bytes = max_output_bytes
         self.sandbox: SandboxInfo | None = None
@@ -155,6 +160,19 @@ class SandboxedEnv:
         sandbox, self.sandbox = self.sandbox, None
         if sandbox is not None:
             await self.backend.destroy(sandbox.id)
+
+    async def _create_sandbox(self, spec: SandboxSpec) -> SandboxInfo:
+        """Start a sandbox for ``spec``: claimed from the warm pool when it has one, else cold."""
+        if self.pool is not None:
+            return await self.pool.create(spec)
+        return await self.backend.create(spec)
+
+    async def _restore_setup(self, snapshot: Snapshot, spec: SandboxSpec) -> SandboxInfo:
+        """Start a sandbox from the setup cache's ``snapshot``: claimed from the warm pool when it has one."""
+        if self.pool is not None:
+            return await self.pool.restore(snapshot, spec)
+        (info,) = await self.backend.restore(snapshot, 1, spec=spec)
+        return info
 
     def _check_open(self) -> None:
         if self._closed:

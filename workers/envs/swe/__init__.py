@@ -115,7 +115,7 @@ class SWEFamily:
              env_version: str = "") -> SWEEnv:
         """Return a (not yet reset) env for the instance."""
         return SWEEnv(_swe(task), ctx.backend, image=image, repos=self.repos, labels=labels,
-                      setup_cache=ctx.setup_cache, env_version=env_version, counters=ctx.counters)
+                      setup_cache=ctx.setup_cache, env_version=env_version, counters=ctx.counters, pool=ctx.pool)
 
     def restore(self, task: Any, ctx: EnvContext, sandbox: SandboxInfo, state: Mapping[str, Any], *,
                 labels: Mapping[str, str]) -> SWEEnv:

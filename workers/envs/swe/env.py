@@ -56,6 +56,7 @@ from workers.errors import ActionError, SessionClosedError, TaskSetupError
 from workers.setup_cache import SetupCacheKey
 
 if TYPE_CHECKING:
+    from workers.pool import WarmPool
     from workers.setup_cache import SetupCache
 
 logger = logging.getLogger(__name__)
@@ -92,8 +93,9 @@ class SWEEnv(SandboxedEnv):
         setup_cache: SetupCache | None = None,
         env_version: str = "",
         counters: collections.Counter[str] | None = None,
+        pool: WarmPool | None = None,
     ) -> None:
-        super().__init__(backend, agent_timeout_s=task.agent_timeout_s, counters=counters)
+        super().__init__(backend, agent_timeout_s=task.agent_timeout_s, counters=counters, pool=pool)
         self.task = task
         self.image = image
         self.repos = repos
@@ -214,7 +216,7 @@ class SWEEnv(SandboxedEnv):
                     await self._fill(cache, key, info, base_id)
                     return info, base_id
                 try:
-                    (info,) = await self.backend.restore(entry.snapshot, 1, spec=self._spec(labels))
+                    info = await self._restore_setup(entry.snapshot, self._spec(labels))
                 except SandboxNotFoundError:
                     if attempt == 2:
                         raise
@@ -258,7 +260,7 @@ class SWEEnv(SandboxedEnv):
             tree = await asyncio.to_thread(self.repos.archive, task.repo, task.base_commit)
         except Exception as exc:
             raise TaskSetupError(f"instance {task.instance_id}: {exc}") from exc
-        info = await self.backend.create(self._spec(labels))
+        info = await self._create_sandbox(self._spec(labels))
         try:
             await self.backend.write_file(info.id, _BASE_TAR, tree)
             workdir = shlex.quote(task.workdir)

@@ -39,6 +39,7 @@ from workers.envs.swe.grading import PASSED, XFAIL, read_log
 from workers.envs.swe.repos import RepoStore, head_commit
 from workers.envs.swe.task import DEFAULT_WORKDIR, SWETask
 from workers.errors import TaskFormatError
+from workers.protocol import SYNTH_OWNER
 
 if TYPE_CHECKING:
     from workers.runtime import WorkerRuntime
@@ -199,7 +200,7 @@ async def fetch_sdist(runtime: WorkerRuntime, spec: str) -> bytes:
     image = await stand_in_image(backend, "python", base_image=runtime.base_image, ca_bundle=runtime.ca_bundle)
     env = ca_env() if runtime.ca_bundle is not None else {}
     info = await backend.create(SandboxSpec(image=image, network=True, env=env,
-                                            labels={LABEL_OWNER: "forkyard-swe-synth"}))
+                                            labels={LABEL_OWNER: SYNTH_OWNER}))
     try:
         if runtime.ca_bundle is not None:
             await backend.write_file(info.id, CA_BUNDLE_PATH, runtime.ca_bundle)
@@ -257,7 +258,7 @@ async def synthesize(
     image = await runtime.task_image(clean)
     from workers.envs.swe.env import SWEEnv, run_tests
 
-    env = runtime.new_env(clean, image=image, labels={LABEL_OWNER: "forkyard-swe-synth"})
+    env = runtime.new_env(clean, image=image, labels={LABEL_OWNER: SYNTH_OWNER})
     assert isinstance(env, SWEEnv)
     snapshot = None
     try:
@@ -274,7 +275,7 @@ async def synthesize(
                           limit=max_candidates, seed=seed)
         say(f"{len(candidates)} candidate bug(s) to try")
         snapshot = await runtime.backend.snapshot(env.sandbox.id, metadata={"forkyard.kind": "synth"})
-        spec = SandboxSpec(image=snapshot.image, resources=snapshot.resources, labels={LABEL_OWNER: "forkyard-swe-synth"})
+        spec = SandboxSpec(image=snapshot.image, resources=snapshot.resources, labels={LABEL_OWNER: SYNTH_OWNER})
         made: list[SWETask] = []
         for number, mutation in enumerate(candidates, start=1):
             if len(made) >= max_instances:

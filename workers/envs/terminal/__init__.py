@@ -75,7 +75,8 @@ class TerminalFamily:
              env_version: str = "") -> TerminalEnv:
         """Return a (not yet reset) env for ``task``."""
         return TerminalEnv(_terminal(task), ctx.backend, image=image, labels=labels, setup_cache=ctx.setup_cache,
-                           env_version=env_version, counters=ctx.counters, ca_bundle=ctx.ca_bundle)
+                           env_version=env_version, counters=ctx.counters, ca_bundle=ctx.ca_bundle,
+                           pool=ctx.pool)
 
     def restore(self, task: Any, ctx: EnvContext, sandbox: SandboxInfo, state: Mapping[str, Any], *,
                 labels: Mapping[str, str]) -> TerminalEnv:

@@ -73,6 +73,7 @@ from workers.trust import CA_BUNDLE_PATH, ca_env
 
 if TYPE_CHECKING:
     from sandboxes.snapshots import Snapshot
+    from workers.pool import WarmPool
     from workers.setup_cache import SetupCache
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ class TerminalEnv(SandboxedEnv):
         env_version: str = "",
         counters: collections.Counter[str] | None = None,
         ca_bundle: bytes | None = None,
+        pool: WarmPool | None = None,
     ) -> None:
         """Prepare an env; nothing starts before :meth:`reset`.
 
@@ -146,9 +148,10 @@ class TerminalEnv(SandboxedEnv):
                 setup left processes running, once per cache key).
             ca_bundle: the host's CA certificates, which a networked task's sandbox trusts
                 (:mod:`workers.trust`).
+            pool: the warm pool resets claim their sandbox from (:mod:`workers.pool`).
         """
         super().__init__(backend, agent_timeout_s=task.agent_timeout_s, counters=counters,
-                         max_output_bytes=max_output_bytes)
+                         max_output_bytes=max_output_bytes, pool=pool)
         self.task = task
         self.ca_bundle = ca_bundle if task.network else None
         self.image = image
@@ -296,7 +299,7 @@ class TerminalEnv(SandboxedEnv):
 
     async def _start_fresh(self) -> None:
         """Create a sandbox from the image, prepare it and run reset.sh if the task has one."""
-        self.sandbox = await self.backend.create(self._spec())
+        self.sandbox = await self._create_sandbox(self._spec())
         try:
             if self.ca_bundle is not None:
                 await self.backend.write_file(self.sandbox.id, CA_BUNDLE_PATH, self.ca_bundle, mode=0o644)
@@ -320,7 +323,7 @@ class TerminalEnv(SandboxedEnv):
                     await self._start_and_fill(cache, key)
                     return
                 try:
-                    (self.sandbox,) = await self.backend.restore(entry.snapshot, 1, spec=self._spec())
+                    self.sandbox = await self._restore_setup(entry.snapshot, self._spec())
                 except SandboxNotFoundError:
                     if attempt == 2:
                         raise
