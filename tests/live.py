@@ -55,6 +55,9 @@ def run_gateway(backend: str, data_dir: Path, *, node: str | None, timeout_s: fl
     ``node`` None leaves FORKYARD_NODE unset: the gateway names itself (``data_dir/node``).
     """
     port = free_port()
+    grpc_port = free_port()
+    while grpc_port == port:  # both chosen here: a gRPC port left to the kernel could be the one just freed
+        grpc_port = free_port()
     log = data_dir / "up.log"
     data_dir.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
@@ -63,7 +66,7 @@ def run_gateway(backend: str, data_dir: Path, *, node: str | None, timeout_s: fl
              "--backend", backend],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             env={**{k: v for k, v in os.environ.items() if k != "FORKYARD_NODE"},
-                 **({"FORKYARD_NODE": node} if node is not None else {}), "FORKYARD_GRPC_PORT": "0"},
+                 **({"FORKYARD_NODE": node} if node is not None else {}), "FORKYARD_GRPC_PORT": str(grpc_port)},
         )
     try:
         url = key = None
