@@ -92,7 +92,7 @@ async def measure(kind: str, runs: int) -> dict[str, float]:
             return elapsed
 
         rows["cold"] = med_ms([await ready_cold() for _ in range(runs)])
-        await pool.create(spec)  # the first claim is a miss: it makes the key known
+        made.append((await pool.create(spec)).id)  # the first claim is a miss: it makes the key known
         rows["claim"] = med_ms([await claimed(lambda: pool.create(spec)) for _ in range(runs)])
 
         source = await backend.create(spec)
@@ -108,7 +108,7 @@ async def measure(kind: str, runs: int) -> dict[str, float]:
             return time.perf_counter() - started
 
         rows["cold restore"] = med_ms([await restore_cold() for _ in range(runs)])
-        await pool.restore(snap, spec)
+        made.append((await pool.restore(snap, spec)).id)
         rows["claim restore"] = med_ms([await claimed(lambda: pool.restore(snap, spec)) for _ in range(runs)])
 
         async def reset(env_pool: WarmPool | None) -> float:
