@@ -11,7 +11,7 @@ from gateway.db import get_db_session
 from gateway.errors import UnavailableError
 from gateway.sessions.gate import StepGate
 from gateway.settings import Settings
-from workers.runtime import WorkerRuntime
+from workers.protocol import WorkerClient
 
 
 async def get_settings(request: Request) -> Settings:
@@ -23,7 +23,7 @@ async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-async def get_runtime(request: Request) -> WorkerRuntime:
+async def get_runtime(request: Request) -> WorkerClient:
     """Return the worker runtime; answer 503 if the gateway has none running."""
     runtime = getattr(request.app.state, "runtime", None)
     if runtime is None:
@@ -59,7 +59,7 @@ async def get_step_gate(request: Request) -> StepGate:
 
 DbSession = Annotated[AsyncSession, Depends(get_db_session)]
 """A database session for one request."""
-Runtime = Annotated[WorkerRuntime, Depends(get_runtime)]
+Runtime = Annotated[WorkerClient, Depends(get_runtime)]
 """The worker runtime the lifespan started."""
 CurrentSettings = Annotated[Settings, Depends(get_settings)]
 """The app's settings."""

@@ -6,6 +6,7 @@ numbers say nothing about tasks or episodes.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +34,13 @@ class Metric:
 
 
 def runtime_metrics(runtime: Any) -> list[Metric]:
-    """Return the metrics of a worker runtime: env counters and setup cache stats (zeros without a cache)."""
-    counters = runtime.counters
-    cache = runtime.setup_cache
+    """Return the metrics of a worker runtime: env counters and setup cache stats (zeros without a cache).
+
+    A distributed-mode gateway's runtime (its client of the nodes) has neither: its metrics are
+    zeros, and each node's load is in ``GET /v1/nodes``.
+    """
+    counters = getattr(runtime, "counters", None) or collections.Counter()
+    cache = getattr(runtime, "setup_cache", None)
     stats = cache.stats() if cache is not None else {}
     return [
         Metric("forkyard_env_resets_total", "counter", "Environment resets.", counters["resets"]),

@@ -230,8 +230,19 @@ class WarmPool:
             pool.claims.popleft()
         return math.ceil(self.policy.headroom * len(pool.claims) - 1e-9)
 
+    def by_key(self) -> list[dict[str, Any]]:
+        """Return each key's state now: its id (what ``sizes`` prefixes match), source, idle, filling,
+        target and the seconds its breaker stays open (0: closed); the fullest first."""
+        now = self._clock()
+        keys = [{"id": pool.key.id, "backend": pool.key.backend, "source": pool.key.source,
+                 "idle": len(pool.idle), "filling": pool.filling, "target": self.target(pool),
+                 "breaker_open_s": round(max(0.0, pool.closed_until - now), 3)}
+                for pool in self._pools.values()]
+        return sorted(keys, key=lambda k: (-k["idle"], k["id"]))
+
     def stats(self) -> dict[str, Any]:
-        """Return hits, misses, fills, failures, breaker trips and seconds since start; idle and keys now."""
+        """Return hits, misses, fills, failures, breaker trips and seconds since start; idle and keys now
+        (``by_key``: :meth:`by_key`)."""
         return {
             "hits": self.hits,
             "misses": self.misses,
@@ -245,6 +256,7 @@ class WarmPool:
             "filling": sum(pool.filling for pool in self._pools.values()),
             "keys": len(self._pools),
             "max_idle": self.policy.max_idle,
+            "by_key": self.by_key(),
         }
 
     # ------------------------------------------------------------------ filling

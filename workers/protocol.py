@@ -14,8 +14,9 @@ types serve the in-process executor and a worker on another host.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, Protocol, Self, runtime_checkable
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -26,6 +27,8 @@ POLICY_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$"
 MAX_TREE_EPISODES = 1024
 
 
+#: The label naming a sandbox's owner (the value of :data:`sandboxes.base.LABEL_OWNER`; a test checks it).
+LABEL_OWNER = "forkyard.owner"
 #: Owner label (``forkyard.owner``) of a sandbox waiting in a node's warm pool.
 POOL_OWNER = "forkyard-pool"
 #: Owner label of the sandboxes ``forkyard swe synth`` runs.
@@ -321,3 +324,218 @@ class EpisodeReporter(Protocol):
 
     async def wait_until_unpaused(self) -> None:
         """Return once the policy is not paused."""
+
+
+# ---------------------------------------------------------------------------- sessions and sandboxes
+
+#: Metadata key of the snapshots the sessions API takes (the session id); the gateway's rows track them.
+SESSION_SNAPSHOT_KEY = "forkyard.session"
+
+
+class SandboxStatus(str, enum.Enum):
+    """A sandbox's lifecycle on the wire: the values of :class:`sandboxes.base.SandboxState`.
+
+    The sandboxes layer cannot import this module, nor the gateway that one; a test checks
+    that the two enums hold the same values.
+    """
+
+    STARTING = "starting"
+    READY = "ready"
+    BUSY = "busy"
+    STOPPING = "stopping"
+    GONE = "gone"
+    FAILED = "failed"
+
+
+class SandboxView(Protocol):
+    """What the gateway reads of one sandbox (a backend's ``SandboxInfo`` or a :class:`SandboxWire`)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def node(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def image(self) -> str: ...
+    @property
+    def created_at(self) -> float: ...
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+
+
+class StepView(Protocol):
+    """What the gateway reads of one step's outcome (an env's ``StepResult`` or a :class:`StepWire`)."""
+
+    @property
+    def observation(self) -> str: ...
+    @property
+    def reward(self) -> float | None: ...
+    @property
+    def terminated(self) -> bool: ...
+    @property
+    def truncated(self) -> bool: ...
+    @property
+    def info(self) -> Mapping[str, Any]: ...
+
+
+class OpenedView(Protocol):
+    """What the gateway reads of a session just opened or forked."""
+
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def sandbox(self) -> SandboxView: ...
+    @property
+    def observation(self) -> str: ...
+    @property
+    def tools(self) -> list[dict[str, Any]]: ...
+
+
+class SnapshotPlace(Protocol):
+    """Where a snapshot lives: its backend's id for it, the backend, the node."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def backend(self) -> str: ...
+    @property
+    def node(self) -> str: ...
+
+
+class SnapshotView(Protocol):
+    """What the gateway reads of a session's snapshot: its id, where it lives, its JSON form."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def sandbox(self) -> SnapshotPlace: ...
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+class SandboxWire(BaseModel):
+    """One sandbox as it crosses the wire (the fields of ``SandboxInfo``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    backend: str
+    node: str
+    state: SandboxStatus
+    image: str
+    created_at: float
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, info: SandboxView) -> SandboxWire:
+        return cls(id=info.id, backend=info.backend, node=info.node, state=SandboxStatus(info.state),
+                   image=info.image, created_at=info.created_at, labels=dict(info.labels))
+
+
+class StepWire(BaseModel):
+    """One step's outcome as it crosses the wire (the fields of ``StepResult``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    observation: str
+    reward: float | None
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, result: StepView) -> StepWire:
+        return cls(observation=result.observation, reward=result.reward, terminated=result.terminated,
+                   truncated=result.truncated, info=dict(result.info))
+
+
+class OpenedWire(BaseModel):
+    """A session just opened or forked, as it crosses the wire (the fields of ``SessionOpened``)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    session_id: str
+    sandbox: SandboxWire
+    observation: str
+    tools: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, opened: OpenedView) -> OpenedWire:
+        return cls(session_id=opened.session_id, sandbox=SandboxWire.of(opened.sandbox),
+                   observation=opened.observation, tools=list(opened.tools))
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotPlaceWire:
+    """Where a snapshot lives (the ``sandbox`` part of a session snapshot's JSON form)."""
+
+    id: str
+    backend: str
+    node: str
+
+
+class SnapshotWire:
+    """A session's snapshot held by a worker, known by its JSON form (``EnvSnapshot.to_json()``)."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = dict(data)
+        place = self._data["sandbox"]
+        self.sandbox = SnapshotPlaceWire(id=str(place["id"]), backend=str(place.get("backend") or ""),
+                                         node=str(place.get("node") or ""))
+        """Where it lives: the node holding it is where its forks start."""
+
+    @property
+    def id(self) -> str:
+        return self.sandbox.id
+
+    def to_json(self) -> dict[str, Any]:
+        return self._data
+
+
+@runtime_checkable
+class WorkerClient(Protocol):
+    """The sessions API's way into the data plane: the sessions and snapshots of one runtime.
+
+    The embedded mode's in-process ``WorkerRuntime`` is one; the distributed mode's
+    ``FleetRuntime`` (a gateway's client of the worker nodes) is the other. Errors are
+    :class:`workers.errors.WorkerError` subclasses, mapped at the API's edge by their code.
+    """
+
+    @property
+    def backend_name(self) -> str: ...
+
+    loads_tasks: bool
+    """True: the worker loads a session's task itself by its id (the ``forkyard.task`` label), so the
+    gateway passes ``task=None``; False: the gateway passes the decoded task."""
+
+    async def open_session(self, session_id: str, task: Any, *, labels: Mapping[str, str] | None = None,
+                           env_version: str = "") -> OpenedView: ...
+
+    def has_session(self, session_id: str) -> bool: ...
+
+    def session_count(self) -> int: ...
+
+    async def step(self, session_id: str, tool: str, arguments: dict[str, Any]) -> StepView: ...
+
+    async def close_session(self, session_id: str) -> None: ...
+
+    async def snapshot_session(self, session_id: str, *, metadata: Mapping[str, str] | None = None
+                               ) -> SnapshotView: ...
+
+    def snapshot_from_json(self, data: Mapping[str, Any]) -> SnapshotView:
+        """Return the snapshot :meth:`SnapshotView.to_json` described, as this runtime forks from it."""
+        ...
+
+    async def fork_session(self, snapshot: Any, new_session_ids: list[str], task: Any, *,
+                           labels: Mapping[str, str] | None = None) -> Sequence[OpenedView]: ...
+
+    async def delete_snapshot(self, snapshot_id: str, *, node: str | None = None) -> None: ...
+
+    async def list_sandboxes(self) -> Sequence[SandboxView]: ...
+
+    async def reap(self, keep_owner_ids: set[str] = ...) -> list[str]: ...
+
+    async def sweep_transient_snapshots(self, keep_session_snapshots: set[str] | None = None) -> list[str]: ...

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sandboxes.base import LABEL_OWNER, SandboxBackend, SandboxInfo
+from sandboxes.errors import SandboxCrashedError, SandboxNotFoundError
 from workers.envs.base import (
     Action,
     EnvContext,
@@ -30,9 +31,11 @@ from workers.envs.base import (
 from workers.envs.registry import family_of
 from workers.errors import (
     ActionError,
+    SandboxLostError,
     SessionClosedError,
     SessionNotFoundError,
 )
+from workers.protocol import SESSION_SNAPSHOT_KEY
 
 if TYPE_CHECKING:
     from workers.pool import WarmPool
@@ -45,8 +48,6 @@ logger = logging.getLogger(__name__)
 TRANSIENT_SNAPSHOT_KEYS = frozenset({"forkyard.tree", "forkyard.shared", "forkyard.verifier"})
 #: A built image handed out for a sandbox this recently is never removed by the image cap.
 IMAGE_KEEP_S = 600.0
-#: Metadata key of the snapshots the sessions API takes (the session id); the gateway's rows track them.
-SESSION_SNAPSHOT_KEY = "forkyard.session"
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,14 @@ class SessionOpened:
 
 
 class WorkerRuntime:
-    """Own one sandbox backend and the environment sessions running on it."""
+    """Own one sandbox backend and the environment sessions running on it.
+
+    It is the embedded mode's :class:`workers.protocol.WorkerClient`: the sessions API calls
+    it in-process.
+    """
+
+    loads_tasks = False
+    """The gateway hands it decoded tasks (:attr:`workers.protocol.WorkerClient.loads_tasks`)."""
 
     def __init__(
         self,
@@ -230,11 +238,14 @@ class WorkerRuntime:
 
         Raises:
             SessionClosedError: the session was closed while the step ran (the close interrupts it).
+            SandboxLostError: the session's sandbox crashed or vanished (the session cannot go on).
         """
         running = asyncio.ensure_future(self._env(session_id).step(Action(tool, arguments)))
         self._running_steps[session_id] = running
         try:
             return await running
+        except (SandboxCrashedError, SandboxNotFoundError) as exc:
+            raise SandboxLostError(str(exc)) from exc
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if running.cancelled() and not (current is not None and current.cancelling()):
@@ -324,6 +335,10 @@ class WorkerRuntime:
                 await self.backend.destroy(info.id)
             except Exception:
                 logger.exception("destroying sandbox %s after %s failed", info.id, after)
+
+    def snapshot_from_json(self, data: Mapping[str, Any]) -> EnvSnapshot:
+        """Return the session snapshot :meth:`EnvSnapshot.to_json` described."""
+        return EnvSnapshot.from_json(data)
 
     async def fork_session(
         self, snapshot: EnvSnapshot, new_session_ids: list[str], task: EnvTask, *,

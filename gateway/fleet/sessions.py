@@ -19,8 +19,7 @@ import asyncio
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -38,57 +37,11 @@ from workers.errors import (
     WorkerError,
     from_wire,
 )
+from workers.protocol import OpenedWire, SandboxWire, SnapshotWire, StepWire
 
 logger = logging.getLogger(__name__)
 
 pb2, pb2_grpc = modules()
-
-@dataclass(frozen=True)
-class RemoteSandbox:
-    """A sandbox on a worker node, as its node describes it (the fields of ``SandboxInfo``)."""
-
-    id: str
-    backend: str
-    node: str
-    state: str
-    image: str
-    created_at: float
-    labels: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class RemoteStep:
-    """A step's outcome, as its node answered it (the fields of ``StepResult``)."""
-
-    observation: str
-    reward: float | None
-    terminated: bool
-    truncated: bool
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class RemoteOpened:
-    """A session opened on a node (the fields of ``SessionOpened``)."""
-
-    session_id: str
-    sandbox: RemoteSandbox
-    observation: str
-    tools: list[dict[str, Any]]
-
-
-class RemoteSnapshot:
-    """A session's snapshot on a node, as its node described it (``EnvSnapshot.to_json()``)."""
-
-    def __init__(self, data: dict[str, Any]) -> None:
-        self._data = data
-        self.id: str = data["sandbox"]["id"]
-        self.sandbox = RemoteSandbox(id=self.id, backend=data["sandbox"]["backend"],
-                                     node=data["sandbox"].get("node", ""), state="ready",
-                                     image=data["sandbox"].get("image", ""), created_at=0.0)
-
-    def to_json(self) -> dict[str, Any]:
-        return self._data
 
 
 class NodeClient:
@@ -163,9 +116,15 @@ class NodeClient:
 
 
 class FleetRuntime:
-    """The sessions API's runtime on a distributed-mode gateway: every session lives on a worker node."""
+    """The sessions API's runtime on a distributed-mode gateway: every session lives on a worker node.
+
+    A :class:`workers.protocol.WorkerClient`; what it returns are the wire types of
+    :mod:`workers.protocol`, as the node encoded them.
+    """
 
     backend_name = "fleet"
+    loads_tasks = True
+    """The node loads a session's task by its id (the gateway decodes nothing)."""
 
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession]) -> None:
         self._sessionmaker = sessionmaker
@@ -227,12 +186,12 @@ class FleetRuntime:
     # ------------------------------------------------------------------ the runtime's session calls
 
     async def open_session(self, session_id: str, task: Any, *, labels: dict[str, str] | None = None,
-                           env_version: str = "") -> RemoteOpened:
+                           env_version: str = "") -> OpenedWire:
         """Open the session on the node its row names (the node loads the task itself, by id)."""
         labels = dict(labels or {})
         data = await self._session_call(session_id, "open_session", task_id=labels.get(LABEL_TASK_ID, ""),
                                         labels=labels)
-        return RemoteOpened(session_id, RemoteSandbox(**data["sandbox"]), data["observation"], data["tools"])
+        return OpenedWire.model_validate(data)
 
     def has_session(self, session_id: str) -> bool:
         """Tell whether this gateway has routed the session and not closed it (its state is then not read
@@ -242,8 +201,8 @@ class FleetRuntime:
     def session_count(self) -> int:
         return 0
 
-    async def step(self, session_id: str, tool: str, arguments: dict[str, Any]) -> RemoteStep:
-        return RemoteStep(**await self._session_call(session_id, "step", tool=tool, arguments=arguments))
+    async def step(self, session_id: str, tool: str, arguments: dict[str, Any]) -> StepWire:
+        return StepWire.model_validate(await self._session_call(session_id, "step", tool=tool, arguments=arguments))
 
     async def close_session(self, session_id: str) -> None:
         try:
@@ -253,12 +212,12 @@ class FleetRuntime:
         finally:
             self._where.pop(session_id, None)
 
-    async def list_sandboxes(self) -> list[RemoteSandbox]:
+    async def list_sandboxes(self) -> list[SandboxWire]:
         """Return the sandboxes of every live node, asked at once; a node that fails to answer is left out."""
 
-        async def one(name: str) -> list[RemoteSandbox]:
+        async def one(name: str) -> list[SandboxWire]:
             try:
-                return [RemoteSandbox(**s) for s in await self._call(name, "list_sandboxes")]
+                return [SandboxWire.model_validate(s) for s in await self._call(name, "list_sandboxes")]
             except WorkerError as exc:
                 logger.warning("listing the sandboxes of node %s failed: %s", name, exc)
                 return []
@@ -272,23 +231,26 @@ class FleetRuntime:
     async def sweep_transient_snapshots(self, keep_session_snapshots: set[str] | None = None) -> list[str]:
         return []
 
-    async def snapshot_session(self, session_id: str, *, metadata: dict[str, str] | None = None) -> RemoteSnapshot:
+    async def snapshot_session(self, session_id: str, *, metadata: Mapping[str, str] | None = None
+                               ) -> SnapshotWire:
         """Snapshot a session on its node (the snapshot stays there: its forks start there too)."""
         data = await self._session_call(session_id, "snapshot_session", metadata=dict(metadata or {}))
-        return RemoteSnapshot(data)
+        return SnapshotWire(data)
 
-    async def fork_session(self, snapshot: Any, new_session_ids: list[str], task: Any, *,
-                           labels: dict[str, str] | None = None) -> list[RemoteOpened]:
+    def snapshot_from_json(self, data: Mapping[str, Any]) -> SnapshotWire:
+        return SnapshotWire(data)
+
+    async def fork_session(self, snapshot: SnapshotWire, new_session_ids: list[str], task: Any, *,
+                           labels: Mapping[str, str] | None = None) -> list[OpenedWire]:
         """Start the forks on the node holding the snapshot."""
         data = snapshot.to_json()
-        node = data["sandbox"].get("node") or ""
+        node = snapshot.sandbox.node
         labels = dict(labels or {})
         for session_id in new_session_ids:
             self._where[session_id] = node
         opened = await self._call(node, "fork_session", snapshot=data, session_ids=new_session_ids,
                                   task_id=labels.get(LABEL_TASK_ID, ""), labels=labels)
-        return [RemoteOpened(o["session_id"], RemoteSandbox(**o["sandbox"]), o["observation"], o["tools"])
-                for o in opened]
+        return [OpenedWire.model_validate(o) for o in opened]
 
     async def delete_snapshot(self, snapshot_id: str, *, node: str | None = None) -> None:
         """Free a snapshot on ``node``, which holds it; without a node, on every live node (deleting is idempotent).

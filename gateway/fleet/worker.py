@@ -43,7 +43,7 @@ from gateway.rollouts.models import RolloutStatus
 from gateway.sessions import service as sessions_service
 from sandboxes.errors import SandboxCrashedError, SandboxError, SandboxNotFoundError
 from workers.errors import NotSupportedError, SandboxBackendError, SandboxLostError, WorkerError
-from workers.protocol import EpisodeStatus
+from workers.protocol import EpisodeStatus, OpenedWire, SandboxWire, StepWire
 from workers.runner import StageLimits
 
 if TYPE_CHECKING:
@@ -202,7 +202,10 @@ class NodeAgent:
             pass
         finally:
             runs.discard(run)
-        return CANCELLED if run.cancelled() else RAN
+        if run.cancelled():
+            await self._host.settle()  # its episodes are failed before the job is acknowledged
+            return CANCELLED
+        return RAN
 
     async def _plan(self, rollout_id: str) -> tuple[Rollout, RolloutPlan]:
         assert self._host is not None
@@ -376,24 +379,20 @@ class NodeServicer(pb2_grpc.NodeServicer):  # type: ignore[misc,name-defined]
     async def _open_session(self, session_id: str, task_id: str, labels: dict[str, str]) -> dict[str, Any]:
         task, env_version = await self._load_task(task_id)
         opened = await self._runtime.open_session(session_id, task, labels=labels, env_version=env_version)
-        return {"sandbox": _sandbox(opened.sandbox), "observation": opened.observation, "tools": opened.tools}
+        return OpenedWire.of(opened).model_dump()
 
     async def _step(self, session_id: str, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
-        result = await self._runtime.step(session_id, tool, arguments)
-        return {"observation": result.observation, "reward": result.reward, "terminated": result.terminated,
-                "truncated": result.truncated, "info": result.info}
+        return StepWire.of(await self._runtime.step(session_id, tool, arguments)).model_dump()
 
     async def _snapshot_session(self, session_id: str, metadata: dict[str, str]) -> dict[str, Any]:
         return dict((await self._runtime.snapshot_session(session_id, metadata=metadata)).to_json())
 
     async def _fork_session(self, snapshot: dict[str, Any], session_ids: list[str], task_id: str,
                             labels: dict[str, str]) -> list[dict[str, Any]]:
-        from workers.envs.base import EnvSnapshot
-
         task, _ = await self._load_task(task_id)
-        opened = await self._runtime.fork_session(EnvSnapshot.from_json(snapshot), session_ids, task, labels=labels)
-        return [{"session_id": o.session_id, "sandbox": _sandbox(o.sandbox), "observation": o.observation,
-                 "tools": o.tools} for o in opened]
+        opened = await self._runtime.fork_session(self._runtime.snapshot_from_json(snapshot), session_ids, task,
+                                                  labels=labels)
+        return [OpenedWire.of(o).model_dump() for o in opened]
 
     async def _delete_snapshot(self, snapshot_id: str) -> None:
         await self._runtime.delete_snapshot(snapshot_id)
@@ -402,16 +401,10 @@ class NodeServicer(pb2_grpc.NodeServicer):  # type: ignore[misc,name-defined]
         await self._runtime.close_session(session_id)
 
     async def _list_sandboxes(self) -> list[dict[str, Any]]:
-        return [_sandbox(s) for s in await self._runtime.list_sandboxes()]
+        return [SandboxWire.of(s).model_dump() for s in await self._runtime.list_sandboxes()]
 
     async def _session_count(self) -> int:
         return int(self._runtime.session_count())
-
-
-def _sandbox(info: Any) -> dict[str, Any]:
-    state = getattr(info.state, "value", info.state)
-    return {"id": info.id, "backend": info.backend, "node": info.node, "state": str(state), "image": info.image,
-            "created_at": info.created_at, "labels": dict(info.labels)}
 
 
 def _sandbox_error(exc: Exception) -> WorkerError:

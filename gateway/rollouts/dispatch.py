@@ -91,6 +91,7 @@ class Dispatcher:
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
+        await self._host.settle()  # the cancelled episodes are failed before the cancel answers
 
     async def aclose(self) -> None:
         """Stop everything; interrupted episodes stay ``running`` and are requeued at the next start."""

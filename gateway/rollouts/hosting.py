@@ -145,16 +145,20 @@ class EpisodeHost:
         """
         run = asyncio.create_task(self.run(rollout, plan, episodes, task, env_version, lease=lease),
                                   name=f"episode {episodes[0].id}")
-        ids = [e.id for e in episodes]
-
         def ended(done: asyncio.Task[None]) -> None:
             if done.cancelled() and not self.closing:
-                cleanup = asyncio.create_task(self.fail(ids, "cancelled", CANCELLED_WHILE_RUNNING, lease=lease))
+                cleanup = asyncio.create_task(self._fail_cancelled(episodes, branching=plan.branching is not None,
+                                                                   lease=lease))
                 self._cleanups.add(cleanup)
                 cleanup.add_done_callback(self._cleanups.discard)
 
-        run.add_done_callback(ended)
+        run.add_done_callback(ended)  # first: it has run by the time anything awaiting ``run`` resumes
         return run
+
+    async def settle(self) -> None:
+        """Wait until the episodes of the runs cancelled so far are marked failed (see :meth:`spawn`)."""
+        while self._cleanups:
+            await asyncio.gather(*list(self._cleanups), return_exceptions=True)
 
     async def run_shared_group(
         self, rollout: Rollout, plan: RolloutPlan, episodes: list[Episode], task: EnvTask, env_version: str, *,
@@ -185,15 +189,9 @@ class EpisodeHost:
         reporter = DatabaseReporter(self._sessionmaker, node=self.node, policy_name=rollout.policy_name,
                                     policies=self.policies, on_store_failure=store_failed, lease=lease)
         job = episode_job(episode, env_version)
-        try:
+        try:  # a cancel is :meth:`spawn`'s to settle: it fails the episodes (and branches) still running
             await run_job(job, plan=plan, task=task, runtime=self.runtime, reporter=reporter,
                           stages=stages or self.stages, env_factory=env_factory)
-        except asyncio.CancelledError:
-            branches = await self._running_branches(job.root_episode_id or job.episode_id) if plan.branching else []
-            if self.closing:
-                raise  # shutdown: left running, failed (or requeued) at the next start
-            await self.fail([episode.id, *branches], "cancelled", CANCELLED_WHILE_RUNNING, lease=lease)
-            raise
         except WorkerError as exc:  # e.g. the scripted policy has no oracle for this task
             await self.fail([episode.id], "error", str(exc), lease=lease)
 
@@ -215,6 +213,17 @@ class EpisodeHost:
                 logger.warning("%s", exc)
             except Exception:
                 logger.exception("episode %s: marking it failed (%s) failed", episode_id, error)
+
+    async def _fail_cancelled(self, episodes: list[Episode], *, branching: bool, lease: str | None) -> None:
+        """Fail the episodes of a cancelled run, and the branches of their trees still running."""
+        ids = [e.id for e in episodes]
+        if branching:
+            try:
+                for episode in episodes:
+                    ids += await self._running_branches(episode.root_episode_id or episode.id)
+            except Exception:  # the trunk is still failed; a branch left running is failed at the next start
+                logger.exception("episode %s: listing the branches of a cancelled tree failed", episodes[0].id)
+        await self.fail(list(dict.fromkeys(ids)), "cancelled", CANCELLED_WHILE_RUNNING, lease=lease)
 
     async def _running_branches(self, root_episode_id: str) -> list[str]:
         """Return the ids of a tree's branches still marked running (its trunk left out)."""

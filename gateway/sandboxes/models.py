@@ -13,7 +13,7 @@ from sqlalchemy import Enum, ForeignKey, Index, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from gateway.db import Base, utcnow
-from sandboxes.base import SandboxState
+from workers.protocol import SandboxStatus
 
 
 class Sandbox(Base):
@@ -25,8 +25,8 @@ class Sandbox(Base):
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
     node: Mapped[str] = mapped_column(String(255))
     backend: Mapped[str] = mapped_column(String(32))
-    state: Mapped[SandboxState] = mapped_column(
-        Enum(SandboxState, native_enum=False, length=16, values_callable=lambda e: [m.value for m in e])
+    state: Mapped[SandboxStatus] = mapped_column(
+        Enum(SandboxStatus, native_enum=False, length=16, values_callable=lambda e: [m.value for m in e])
     )
     session_id: Mapped[str | None] = mapped_column(ForeignKey("session.id"), index=True, default=None)
     task_id: Mapped[str | None] = mapped_column(ForeignKey("task.id"), default=None)

@@ -6,7 +6,7 @@ from datetime import datetime
 
 from pydantic import BaseModel
 
-from sandboxes.base import SandboxState
+from workers.protocol import SandboxStatus
 
 
 class SandboxRead(BaseModel):
@@ -15,7 +15,7 @@ class SandboxRead(BaseModel):
     id: str
     node: str
     backend: str
-    state: SandboxState
+    state: SandboxStatus
     image: str
     task_id: str | None
     task_name: str | None

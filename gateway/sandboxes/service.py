@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -15,8 +15,7 @@ from gateway.sandboxes.models import Sandbox
 from gateway.sandboxes.schemas import SandboxRead
 from gateway.sessions.service import LABEL_TASK_ID
 from gateway.tasks.models import Task
-from sandboxes.base import LABEL_OWNER, SandboxState
-from workers.protocol import owner_kind
+from workers.protocol import LABEL_OWNER, SandboxStatus, owner_kind
 
 #: Label the runtime sets to the task's name.
 LABEL_TASK_NAME = "forkyard.task"
@@ -26,10 +25,10 @@ LABEL_ROLLOUT = "forkyard.rollout"
 _OWNED_BY_ID = {"session", "episode", "group"}
 
 if TYPE_CHECKING:
-    from workers.runtime import WorkerRuntime
+    from workers.protocol import SandboxView, WorkerClient
 
 
-async def list_sandboxes(*, db_session: AsyncSession, runtime: WorkerRuntime) -> list[SandboxRead]:
+async def list_sandboxes(*, db_session: AsyncSession, runtime: WorkerClient) -> list[SandboxRead]:
     """Return this node's live sandboxes (orphans included), oldest first."""
     live = sorted(await runtime.list_sandboxes(), key=lambda info: (info.created_at, info.id))
     if not live:
@@ -53,7 +52,7 @@ async def list_sandboxes(*, db_session: AsyncSession, runtime: WorkerRuntime) ->
     now = time.time()
     return [
         SandboxRead(
-            id=info.id, node=info.node, backend=info.backend, state=info.state, image=info.image,
+            id=info.id, node=info.node, backend=info.backend, state=SandboxStatus(info.state), image=info.image,
             session_id=links[info.id][0], task_id=links[info.id][1], **_owner(info.labels),
             task_name=names.get(links[info.id][1] or "") or info.labels.get(LABEL_TASK_NAME),
             age_s=round(max(0.0, now - info.created_at), 3),
@@ -70,7 +69,7 @@ def _owner(labels: Mapping[str, str]) -> dict[str, str | None]:
             "rollout_id": labels.get(LABEL_ROLLOUT)}
 
 
-async def record_sandboxes(*, db_session: AsyncSession, node: str, live: Sequence[Any], listed_at: datetime) -> int:
+async def record_sandboxes(*, db_session: AsyncSession, node: str, live: Sequence[SandboxView], listed_at: datetime) -> int:
     """Bring ``node``'s sandbox rows in line with its live sandboxes; return how many rows changed.
 
     Every live sandbox gets a row with its owner (:func:`workers.protocol.owner_kind`), and
@@ -90,7 +89,7 @@ async def record_sandboxes(*, db_session: AsyncSession, node: str, live: Sequenc
         owner = _owner(info.labels)
         row = open_rows.get(info.id)
         if row is None and info.id not in recorded and owner["owner_kind"] != "session":
-            db_session.add(Sandbox(id=info.id, node=node, backend=info.backend, state=info.state,
+            db_session.add(Sandbox(id=info.id, node=node, backend=info.backend, state=SandboxStatus(info.state),
                                    created_at=datetime.fromtimestamp(info.created_at, UTC), **owner))
             changed += 1
         elif row is not None and row.session_id is None and (row.owner_kind, row.owner_id) != (
@@ -101,7 +100,7 @@ async def record_sandboxes(*, db_session: AsyncSession, node: str, live: Sequenc
     for row in open_rows.values():
         created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
         if row.id not in live_by_id and created < listed_at:
-            row.gone_at, row.state = now, SandboxState.GONE
+            row.gone_at, row.state = now, SandboxStatus.GONE
             changed += 1
     await db_session.commit()
     return changed

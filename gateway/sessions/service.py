@@ -5,7 +5,6 @@ No database transaction stays open while the runtime works (a step can take minu
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Iterable
@@ -24,12 +23,11 @@ from gateway.sessions.gate import StepGate
 from gateway.sessions.models import EnvSession, SessionState, SessionStep
 from gateway.tasks.models import Task
 from gateway.tasks.service import get_task, load_task
-from sandboxes.base import SandboxState
-from sandboxes.errors import SandboxCrashedError, SandboxNotFoundError
 from workers.errors import SandboxLostError, SessionClosedError, SessionNotFoundError
+from workers.protocol import SandboxStatus, StepWire
 
 if TYPE_CHECKING:
-    from workers.runtime import SessionOpened, StepResult, WorkerRuntime
+    from workers.protocol import OpenedView, StepView, WorkerClient
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +163,8 @@ async def refuse_if_draining(*, db_session: AsyncSession, node: str) -> None:
 
 
 async def open_session(
-    *, db_session: AsyncSession, runtime: WorkerRuntime, task_id: str, node: str, max_open: int
-) -> tuple[EnvSession, SessionOpened]:
+    *, db_session: AsyncSession, runtime: WorkerClient, task_id: str, node: str, max_open: int
+) -> tuple[EnvSession, OpenedView]:
     """Open a session on a task: record it, have the runtime start its sandbox, record the sandbox.
 
     Raises:
@@ -185,7 +183,7 @@ async def open_session(
     db_session.add(row)
     await db_session.commit()
     try:
-        env_task = await load_task(db_session=db_session, task_id=task.id)
+        env_task = None if runtime.loads_tasks else await load_task(db_session=db_session, task_id=task.id)
         opened = await runtime.open_session(
             row.id, env_task, labels={LABEL_TASK_ID: task.id}, env_version=environment_version(task)
         )
@@ -201,8 +199,8 @@ async def open_session(
     row.sandbox_id = sandbox.id
     row.backend = sandbox.backend
     await db_session.merge(Sandbox(  # merge: a sandbox claimed from the warm pool may have a row already
-        id=sandbox.id, node=sandbox.node, backend=sandbox.backend, state=sandbox.state, session_id=row.id,
-        task_id=task.id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC), owner_kind="session",
+        id=sandbox.id, node=sandbox.node, backend=sandbox.backend, state=SandboxStatus(sandbox.state),
+        session_id=row.id, task_id=task.id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC), owner_kind="session",
         owner_id=row.id,
     ))
     await db_session.commit()
@@ -211,9 +209,9 @@ async def open_session(
 
 
 async def step_session(
-    *, db_session: AsyncSession, runtime: WorkerRuntime, session_id: str, tool: str, arguments: dict,
+    *, db_session: AsyncSession, runtime: WorkerClient, session_id: str, tool: str, arguments: dict,
     gate: StepGate | None = None,
-) -> StepResult:
+) -> StepView:
     """Apply one action; a terminated or truncated result ends the session and frees its sandbox.
 
     Raises:
@@ -257,8 +255,8 @@ async def _record_step(db: AsyncSession | AsyncConnection, step: dict) -> str | 
 
 
 async def _step_once(
-    db_session: AsyncSession, runtime: WorkerRuntime, session_id: str, tool: str, arguments: dict, gate: StepGate
-) -> StepResult:
+    db_session: AsyncSession, runtime: WorkerClient, session_id: str, tool: str, arguments: dict, gate: StepGate
+) -> StepView:
     # A session the runtime holds is open (it is released only after its row left ``open``,
     # and ends only inside a step, which the gate serializes): no read before the step.
     if not runtime.has_session(session_id):
@@ -287,7 +285,7 @@ async def _step_once(
             f"Session {session_id!r} is no longer live on its worker (it restarted or lost the sandbox); "
             "it is marked failed.", code="session_closed",
         ) from exc
-    except (SandboxCrashedError, SandboxNotFoundError, SandboxLostError) as exc:
+    except SandboxLostError as exc:
         if gate.is_closing(session_id):
             raise
         await _finish(db_session, session_id, SessionState.FAILED, error=_error_text(exc))
@@ -295,7 +293,7 @@ async def _step_once(
         raise
     if result.reward is not None and not math.isfinite(result.reward):
         logger.warning("session %s: non-finite reward %r reported; answering null", session_id, result.reward)
-        result = dataclasses.replace(result, reward=None)
+        result = StepWire.of(result).model_copy(update={"reward": None})
     step = {
         "session_id": session_id, "tool": tool, "arguments": arguments, "observation": result.observation,
         "reward": result.reward, "terminated": result.terminated, "truncated": result.truncated,
@@ -324,7 +322,7 @@ async def _step_once(
 
 
 async def close_session(
-    *, db_session: AsyncSession, runtime: WorkerRuntime, session_id: str, gate: StepGate | None = None
+    *, db_session: AsyncSession, runtime: WorkerClient, session_id: str, gate: StepGate | None = None
 ) -> EnvSession:
     """Close a session and destroy its sandbox; closing an ended session again is a no-op."""
     row = await get_session(db_session=db_session, session_id=session_id)
@@ -339,7 +337,7 @@ async def close_session(
     return row
 
 
-async def close_node_sessions(*, db_session: AsyncSession, runtime: WorkerRuntime, node: str, reason: str) -> int:
+async def close_node_sessions(*, db_session: AsyncSession, runtime: WorkerClient, node: str, reason: str) -> int:
     """Close every session still open on ``node`` (at shutdown); return how many."""
     ids = await _open_session_ids(db_session, node)
     for session_id in ids:
@@ -352,7 +350,7 @@ async def close_node_sessions(*, db_session: AsyncSession, runtime: WorkerRuntim
     return len(ids)
 
 
-async def recover_node(*, db_session: AsyncSession, runtime: WorkerRuntime, node: str) -> None:
+async def recover_node(*, db_session: AsyncSession, runtime: WorkerClient, node: str) -> None:
     """Reap every sandbox of ``node`` and fail its sessions still open (at startup, after a crash).
 
     A new runtime holds no environment state (shell channels, agent clocks), so a session
@@ -377,7 +375,7 @@ async def recover_node(*, db_session: AsyncSession, runtime: WorkerRuntime, node
     await db_session.execute(
         update(Sandbox)
         .where(Sandbox.node == node, Sandbox.gone_at.is_(None))
-        .values(state=SandboxState.GONE, gone_at=utcnow())
+        .values(state=SandboxStatus.GONE, gone_at=utcnow())
     )
     await db_session.commit()
     await _collect_snapshots(db_session, runtime, node)
@@ -421,11 +419,11 @@ async def _mark_sandboxes_gone(db_session: AsyncSession, session_ids: Iterable[s
     await db_session.execute(
         update(Sandbox)
         .where(Sandbox.session_id.in_(list(session_ids)), Sandbox.gone_at.is_(None))
-        .values(state=SandboxState.GONE, gone_at=now)
+        .values(state=SandboxStatus.GONE, gone_at=now)
     )
 
 
-async def _collect_snapshots(db_session: AsyncSession, runtime: WorkerRuntime, node: str) -> None:
+async def _collect_snapshots(db_session: AsyncSession, runtime: WorkerClient, node: str) -> None:
     """Free deleted snapshots an ended session was the last holder of, logging rather than raising."""
     from gateway.snapshots.service import collect_garbage
 
@@ -435,7 +433,7 @@ async def _collect_snapshots(db_session: AsyncSession, runtime: WorkerRuntime, n
         logger.exception("collecting snapshots on node %s failed", node)
 
 
-async def _release(runtime: WorkerRuntime, session_id: str) -> None:
+async def _release(runtime: WorkerClient, session_id: str) -> None:
     """Have the runtime close the session (destroying its sandbox), logging rather than raising."""
     try:
         await runtime.close_session(session_id)

@@ -31,13 +31,13 @@ from gateway.sessions import service as sessions_service
 from gateway.sessions.gate import StepGate
 from gateway.sessions.models import EnvSession, SessionState, SessionStep
 from gateway.snapshots.models import SnapshotRecord
+from gateway.tasks.models import Task
 from gateway.tasks.service import load_task
 from workers.errors import SessionNotFoundError
-from workers.runtime import SESSION_SNAPSHOT_KEY
+from workers.protocol import SESSION_SNAPSHOT_KEY, OpenedWire, SandboxStatus, SandboxWire
 
 if TYPE_CHECKING:
-    from sandboxes.base import SandboxInfo
-    from workers.runtime import SessionOpened, WorkerRuntime
+    from workers.protocol import OpenedView, SandboxView, WorkerClient
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ _SOURCE = select(
 
 
 async def snapshot_session(
-    *, db_session: AsyncSession, runtime: WorkerRuntime, session_id: str
+    *, db_session: AsyncSession, runtime: WorkerClient, session_id: str
 ) -> SnapshotRecord:
     """Snapshot an open session: its sandbox, its env state and how far its history goes.
 
@@ -127,7 +127,7 @@ async def snapshot_session(
                             code="session_closed") from exc
     try:
         if observation is None:  # no step yet: a fork starts where the session did
-            observation = (await load_task(db_session=db_session, task_id=source.task_id)).instruction
+            observation = await _instruction(db_session, source.task_id)
         record = SnapshotRecord(
             id=new_id("snap"), node=source.node, backend=snap.sandbox.backend, session_id=session_id,
             task_id=source.task_id, kind=KIND_MANUAL, pinned=False, created_at=utcnow(),
@@ -156,7 +156,7 @@ async def _read_source(db_session: AsyncSession, session_id: str) -> tuple[Any, 
     return source, observation
 
 
-async def _drop_snapshot(runtime: WorkerRuntime, snapping: asyncio.Future) -> None:
+async def _drop_snapshot(runtime: WorkerClient, snapping: asyncio.Future) -> None:
     """Wait for a backend snapshot that will not be recorded and free it (its errors are moot); cancel-safe."""
 
     async def drop() -> None:
@@ -217,9 +217,9 @@ known_snapshots = KnownSnapshots()
 
 
 async def fork_snapshot(
-    *, db_session: AsyncSession, runtime: WorkerRuntime, snapshot_id: str, n: int, node: str, max_open: int,
+    *, db_session: AsyncSession, runtime: WorkerClient, snapshot_id: str, n: int, node: str, max_open: int,
     gate: StepGate | None = None,
-) -> tuple[SnapshotRecord, list[tuple[EnvSession, SessionOpened]]]:
+) -> tuple[SnapshotRecord, list[tuple[EnvSession, OpenedView]]]:
     """Start ``n`` sessions continuing from a snapshot; each inherits the history up to it.
 
     The restore starts first when this process knows the snapshot (:data:`known_snapshots`);
@@ -234,8 +234,6 @@ async def fork_snapshot(
         NotFoundError: no such snapshot (or it was deleted).
         RateLimitedError: the forks would exceed ``max_open`` open sessions on this node.
     """
-    from workers.envs.base import EnvSnapshot
-
     known = known_snapshots.get(snapshot_id)
     record: SnapshotRecord | None = None
     if known is None:  # written by another process (or long ago): read it before anything starts
@@ -246,7 +244,7 @@ async def fork_snapshot(
     await sessions_service.refuse_if_draining(db_session=db_session, node=node)
     if runtime.session_count() + n > max_open:
         raise _too_many(n, max_open)
-    task = await load_task(db_session=db_session, task_id=known.task_id)
+    task = None if runtime.loads_tasks else await load_task(db_session=db_session, task_id=known.task_id)
     steps = int(known.state.get("steps") or 0)
     # The history up to the snapshot stays the source session's rows: a fork costs the same
     # after 1 step or 1,000. Each row holds the snapshot (open, snapshot_id) once committed.
@@ -258,7 +256,7 @@ async def fork_snapshot(
     ]
     ids = [r.id for r in rows]
     forking = asyncio.ensure_future(runtime.fork_session(
-        EnvSnapshot.from_json(known.state["session"]), ids, task,
+        runtime.snapshot_from_json(known.state["session"]), ids, task,
         labels={sessions_service.LABEL_TASK_ID: known.task_id},
     ))
     await asyncio.sleep(0)  # the restore starts now, before the reads below
@@ -293,8 +291,8 @@ async def fork_snapshot(
             await sessions_service._release(runtime, session_id)
         await collect_garbage(db_session=db_session, runtime=runtime, node=node)
         raise failure
-    observation = record.state.get("observation") or task.instruction
-    out = []
+    observation = record.state.get("observation") or await _instruction(db_session, record.task_id)
+    out: list[tuple[EnvSession, OpenedView]] = []
     for row, one in zip(rows, opened, strict=True):
         claim = functools.partial(_claim_sandbox, session_id=row.id, sandbox=one.sandbox, task_id=record.task_id,
                                   runtime=runtime)
@@ -310,13 +308,14 @@ async def fork_snapshot(
             await claim(db_session=db_session)
         set_committed_value(row, "sandbox_id", one.sandbox.id)
         set_committed_value(row, "backend", one.sandbox.backend)
-        out.append((row, type(one)(one.session_id, one.sandbox, observation, one.tools)))
+        out.append((row, OpenedWire(session_id=one.session_id, sandbox=SandboxWire.of(one.sandbox),
+                                    observation=observation, tools=one.tools)))
     logger.info("snapshot %s forked into %s", record.id, ", ".join(ids))
     return record, out
 
 
 async def _claim_sandbox(
-    *, db_session: AsyncSession, session_id: str, sandbox: SandboxInfo, task_id: str, runtime: WorkerRuntime
+    *, db_session: AsyncSession, session_id: str, sandbox: SandboxView, task_id: str, runtime: WorkerClient
 ) -> None:
     """Record a fork's sandbox on its row and as a sandbox row; a fork closed meanwhile lets it go instead."""
     # Conditional: a fork closed (DELETE) while its sandbox was being restored stays closed.
@@ -330,11 +329,17 @@ async def _claim_sandbox(
         await sessions_service._release(runtime, session_id)
         return
     await db_session.merge(Sandbox(
-        id=sandbox.id, node=sandbox.node, backend=sandbox.backend, state=sandbox.state, session_id=session_id,
+        id=sandbox.id, node=sandbox.node, backend=sandbox.backend, state=SandboxStatus(sandbox.state),
+        session_id=session_id,
         task_id=task_id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC), owner_kind="session",
         owner_id=session_id,
     ))
     await db_session.commit()
+
+
+async def _instruction(db_session: AsyncSession, task_id: str) -> str:
+    """Return a task's instruction (a session's first observation), from its row: nothing is decoded."""
+    return (await db_session.scalar(select(Task.instruction).where(Task.id == task_id))) or ""
 
 
 def _too_many(n: int, max_open: int) -> RateLimitedError:
@@ -343,7 +348,7 @@ def _too_many(n: int, max_open: int) -> RateLimitedError:
     )
 
 
-async def _release_forks(runtime: WorkerRuntime, forking: asyncio.Future, session_ids: list[str]) -> None:
+async def _release_forks(runtime: WorkerClient, forking: asyncio.Future, session_ids: list[str]) -> None:
     """Wait for a fork whose rows did not make it, then free whatever sandboxes it started."""
     await asyncio.wait([forking])
     if not forking.cancelled():
@@ -353,7 +358,7 @@ async def _release_forks(runtime: WorkerRuntime, forking: asyncio.Future, sessio
 
 
 async def set_pinned(
-    *, db_session: AsyncSession, runtime: WorkerRuntime, snapshot_id: str, pinned: bool
+    *, db_session: AsyncSession, runtime: WorkerClient, snapshot_id: str, pinned: bool
 ) -> SnapshotRecord:
     """Pin (keep until unpinned) or unpin a snapshot."""
     # One conditional UPDATE: a pin racing a delete either lands on a live snapshot or is a 404.
@@ -372,7 +377,7 @@ async def set_pinned(
     return record
 
 
-async def delete_snapshot(*, db_session: AsyncSession, runtime: WorkerRuntime, snapshot_id: str) -> None:
+async def delete_snapshot(*, db_session: AsyncSession, runtime: WorkerClient, snapshot_id: str) -> None:
     """Delete a snapshot: freed now if nothing holds it, else once its open forks end.
 
     Raises:
@@ -397,7 +402,7 @@ async def delete_snapshot(*, db_session: AsyncSession, runtime: WorkerRuntime, s
     await collect_garbage(db_session=db_session, runtime=runtime, node=record.node)
 
 
-async def collect_garbage(*, db_session: AsyncSession, runtime: WorkerRuntime, node: str) -> list[str]:
+async def collect_garbage(*, db_session: AsyncSession, runtime: WorkerClient, node: str) -> list[str]:
     """Delete the snapshots of ``node`` that nothing holds and free their backend storage; return their ids.
 
     Holders: an open fork, the pin, and (unless the snapshot was deleted) its open source session.

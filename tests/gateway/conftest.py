@@ -48,6 +48,8 @@ SUBMIT_TOOL = {"type": "function", "function": {"name": "submit", "description":
 class FakeRuntime:
     """An in-memory WorkerRuntime: sandboxes are dicts; bash echoes; submit rewards 'solve' commands."""
 
+    loads_tasks = False
+
     def __init__(self, node: str = NODE) -> None:
         self.node = node
         self.backend_name = "fake"
@@ -135,6 +137,9 @@ class FakeRuntime:
         snap = Snapshot(id=snap_id, backend="fake", node=self.node, image="fake/env:1", ref=f"fake/snap:{snap_id}",
                         created_at=time.time(), metadata=snapshot_metadata(metadata))
         return SessionSnapshot(snap, {"steps": 0, "time_left_s": 60.0})
+
+    def snapshot_from_json(self, data: Mapping[str, Any]) -> SessionSnapshot:
+        return SessionSnapshot.from_json(data)
 
     async def fork_session(self, snapshot: SessionSnapshot, new_session_ids: list[str], task: TerminalTask, *,
                            labels: Mapping[str, str] | None = None) -> list[SessionOpened]:

@@ -123,12 +123,12 @@ async def test_request_id_is_echoed_or_generated(live):
     assert (await live.client.get("/healthz")).headers["x-request-id"].startswith("req_")
 
 
-async def test_sandbox_error_is_503(tmp_path):
-    from sandboxes.errors import SandboxCrashedError
+async def test_a_lost_sandbox_is_503_and_fails_its_session(tmp_path):
+    from workers.errors import SandboxLostError
 
     class CrashingRuntime(FakeRuntime):
         async def step(self, session_id, tool, arguments):
-            raise SandboxCrashedError("the sandbox's shell died")
+            raise SandboxLostError("the sandbox's shell died")
 
     runtime = CrashingRuntime()
     app = create_app(make_settings(tmp_path), runtime=runtime)
@@ -138,7 +138,7 @@ async def test_sandbox_error_is_503(tmp_path):
         task_id = (await client.post("/v1/tasks", json={"tasks": [{"name": "t", "files": task_files("t")}]})
                    ).json()["items"][0]["id"]
         sid = (await client.post("/v1/sessions", json={"task_id": task_id})).json()["id"]
-        error = assert_error(await client.post(f"/v1/sessions/{sid}/step", json=BASH_LS), 503, "sandbox_error")
+        error = assert_error(await client.post(f"/v1/sessions/{sid}/step", json=BASH_LS), 503, "sandbox_lost")
         assert "shell died" in error["message"]
         info = (await client.get(f"/v1/sessions/{sid}")).json()
         assert info["state"] == "failed" and runtime.sessions == {}
