@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from tests.policy.vllm_server import VLLMServer
 from workers.envs.base import openai_tools
 from workers.envs.terminal import FAMILY, ORACLE_DIR
 from workers.envs.terminal.task import load_task_dir
@@ -607,14 +608,15 @@ async def test_scripted_actions_in_json_format_with_token_ids(tiny_models):
 # --------------------------------------------------------------------------- against a real vLLM server
 
 
-def _vllm_weight_version(base_url: str) -> str:
-    response = httpx.get(f"{base_url}/weight_info", timeout=30)
+def _vllm_weight_version(server: VLLMServer) -> str:
+    response = httpx.get(f"{server.base_url}/weight_info", headers=server.headers, timeout=30)
     assert response.status_code == 200, response.text
     return response.json()["weight_version"]
 
 
-def _set_vllm_weight_version(base_url: str, version: str) -> None:
-    response = httpx.post(f"{base_url}/update_weight_version", json={"new_version": version}, timeout=30)
+def _set_vllm_weight_version(server: VLLMServer, version: str) -> None:
+    response = httpx.post(f"{server.base_url}/update_weight_version", json={"new_version": version},
+                          headers=server.headers, timeout=30)
     assert response.status_code == 200, response.text
 
 
@@ -628,7 +630,7 @@ def _check_sampled(gen: Generation, tok: ChatTokenizer, *, max_tokens: int) -> N
 
 async def test_tokens_policy_against_vllm(vllm_server, tiny_models):
     tok = ChatTokenizer(tiny_models.primary)
-    policy = TokensPolicy([vllm_server.base_url], model=vllm_server.model, tokenizer=tok)
+    policy = TokensPolicy([vllm_server.base_url], model=vllm_server.model, tokenizer=tok, api_key=vllm_server.api_key)
     sampling = Sampling(temperature=1.0, max_tokens=24, seed=7)
     try:
         prompt = tok.initial_prompt_ids(MESSAGES, TOOLS)
@@ -638,7 +640,7 @@ async def test_tokens_policy_against_vllm(vllm_server, tiny_models):
         assert gen.text == tok.decode(gen.token_ids, skip_special_tokens=True)
         assert gen.prompt_token_ids == prompt
         assert gen.server == vllm_server.base_url
-        assert gen.weight_version == parse_weight_version(_vllm_weight_version(vllm_server.base_url))
+        assert gen.weight_version == parse_weight_version(_vllm_weight_version(vllm_server))
 
         # Second turn: the episode's ids grow by appending; the server takes the longer prompt.
         history = [*MESSAGES, {"role": "assistant", "content": gen.text}]
@@ -659,8 +661,8 @@ async def test_tokens_policy_text_mode_against_vllm(vllm_server, tiny_models):
     tok = ChatTokenizer(tiny_models.primary)
     prompt = tok.initial_prompt_ids(MESSAGES, TOOLS)
     sampling = Sampling(temperature=1.0, max_tokens=16, seed=11)
-    with_tok = TokensPolicy([vllm_server.base_url], model=vllm_server.model, tokenizer=tok)
-    server_text = TokensPolicy([vllm_server.base_url], model=vllm_server.model)
+    with_tok = TokensPolicy([vllm_server.base_url], model=vllm_server.model, tokenizer=tok, api_key=vllm_server.api_key)
+    server_text = TokensPolicy([vllm_server.base_url], model=vllm_server.model, api_key=vllm_server.api_key)
     try:
         a = await with_tok.generate(episode_id="t1", prompt_ids=prompt, messages=[], tools=[], sampling=sampling)
         b = await server_text.generate(episode_id="t1", prompt_ids=prompt, messages=[], tools=[], sampling=sampling)
@@ -674,22 +676,22 @@ async def test_tokens_policy_text_mode_against_vllm(vllm_server, tiny_models):
 
 async def test_tokens_policy_reports_the_vllm_weight_version(vllm_server, tiny_models):
     tok = ChatTokenizer(tiny_models.primary)
-    policy = TokensPolicy([vllm_server.base_url], model=vllm_server.model, tokenizer=tok)
-    before = _vllm_weight_version(vllm_server.base_url)
+    policy = TokensPolicy([vllm_server.base_url], model=vllm_server.model, tokenizer=tok, api_key=vllm_server.api_key)
+    before = _vllm_weight_version(vllm_server)
     new = (parse_weight_version(before) or 0) + 41
     try:
-        _set_vllm_weight_version(vllm_server.base_url, str(new))
+        _set_vllm_weight_version(vllm_server, str(new))
         gen = await policy.generate(episode_id="w", prompt_ids=tok.initial_prompt_ids(MESSAGES, TOOLS),
                                     messages=[], tools=[], sampling=Sampling(max_tokens=4, seed=1))
         assert gen.weight_version == new
     finally:
-        _set_vllm_weight_version(vllm_server.base_url, before)
+        _set_vllm_weight_version(vllm_server, before)
         await policy.aclose()
 
 
 async def test_chat_policy_against_vllm(vllm_server, tiny_models):
     tok = ChatTokenizer(tiny_models.primary)
-    policy = ChatPolicy([vllm_server.base_url], model=vllm_server.model)
+    policy = ChatPolicy([vllm_server.base_url], model=vllm_server.model, api_key=vllm_server.api_key)
     try:
         gen = await policy.generate(episode_id="c1", prompt_ids=None, messages=MESSAGES, tools=TOOLS,
                                     sampling=Sampling(temperature=1.0, max_tokens=24, seed=3))

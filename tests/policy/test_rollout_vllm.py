@@ -49,7 +49,9 @@ class RecordingProxy:
         body = await request.body()
         upstream = await self._client.request(
             request.method, "/" + request.path_params["path"], content=body,
-            headers={"content-type": request.headers.get("content-type", "application/json")},
+            headers={"content-type": request.headers.get("content-type", "application/json"),
+                     **({"authorization": request.headers["authorization"]}
+                        if "authorization" in request.headers else {})},
         )
         if request.url.path == "/inference/v1/generate" and upstream.status_code == 200:
             self.calls.append((await request.json(), upstream.json()))
@@ -80,7 +82,7 @@ def stack(vllm_server, tmp_path_factory) -> Iterator[tuple[forkyard.Client, Reco
 def policy_spec(proxy: RecordingProxy, vllm_server, tiny_models, name: str) -> dict:
     return {
         "name": name, "api": "tokens", "base_urls": [proxy.url], "model": vllm_server.model,
-        "tokenizer": str(tiny_models.primary),
+        "tokenizer": str(tiny_models.primary), "api_key": vllm_server.api_key,
         "sampling": {"temperature": 1.0, "top_p": 1.0, "max_tokens": 24, "seed": 0},
     }
 
@@ -165,7 +167,7 @@ def test_a_swe_rollout_is_token_exact_against_vllm(stack, vllm_server, tiny_mode
 def test_weight_reload_and_announce_stamp_later_turns(stack, vllm_server, tiny_models):
     client, proxy, _ = stack
     task = next(iter(client.tasks.list(name="edit-config")))
-    http = httpx.Client(base_url=vllm_server.base_url, timeout=60)
+    http = httpx.Client(base_url=vllm_server.base_url, headers=vllm_server.headers, timeout=60)
     original = weight_version(http)
     try:
         reload_weights(http, str(tiny_models.second), "1")

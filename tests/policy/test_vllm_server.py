@@ -40,7 +40,7 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def http(vllm_server: VLLMServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=vllm_server.base_url, timeout=120.0) as client:
+    with httpx.Client(base_url=vllm_server.base_url, headers=vllm_server.headers, timeout=120.0) as client:
         yield client
 
 
@@ -216,7 +216,7 @@ def test_version_announced_mid_request_splits_weight_version_spans(vllm_server: 
     first_chunk = threading.Event()
 
     def consume() -> None:
-        with httpx.Client(base_url=vllm_server.base_url, timeout=300.0) as client:
+        with httpx.Client(base_url=vllm_server.base_url, headers=vllm_server.headers, timeout=300.0) as client:
             with client.stream("POST", "/inference/v1/generate", json=body) as response:
                 for line in response.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":

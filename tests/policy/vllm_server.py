@@ -50,6 +50,13 @@ class VLLMServer:
     command: list[str]
     process: subprocess.Popen = field(repr=False)
     startup_s: float = 0.0
+    api_key: str | None = field(default=None, repr=False)
+    """The bearer token the server requires on ``/v1`` (``--api-key``); None: it requires none."""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers a client of this server sends (its bearer token, if it has one)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def log_tail(self, lines: int = 80) -> str:
         """Return the last ``lines`` lines of the server log."""
@@ -147,8 +154,11 @@ def start_vllm_server(
     max_model_len: int = 2048,
     startup_timeout_s: float = 300.0,
     extra_args: Sequence[str] = (),
+    api_key: str | None = None,
 ) -> VLLMServer:
     """Start a vLLM server for ``model_dir`` and return once ``/health`` answers 200.
+
+    ``api_key``: the server requires it as a bearer token (``--api-key``).
 
     Raises:
         VLLMServerError: the virtualenv is missing, or the server died or did not
@@ -159,7 +169,7 @@ def start_vllm_server(
     port = free_port()
     command = serve_command(
         model_dir, port, venv=venv, served_model_name=served_model_name,
-        max_model_len=max_model_len, extra_args=extra_args,
+        max_model_len=max_model_len, extra_args=(*extra_args, *(("--api-key", api_key) if api_key else ())),
     )
     log_path.parent.mkdir(parents=True, exist_ok=True)
     scratch = log_path.parent / "tmp"
@@ -172,7 +182,7 @@ def start_vllm_server(
         )
     server = VLLMServer(
         base_url=f"http://127.0.0.1:{port}", model=served_model_name, model_dir=model_dir,
-        log_path=log_path, command=command, process=process,
+        log_path=log_path, command=command, process=process, api_key=api_key,
     )
     logger.info("vllm server pid %d starting on %s (log %s)", process.pid, server.base_url, log_path)
     try:

@@ -154,6 +154,9 @@ def pypi_synth() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
+# One backend: the instances are graded by the SWE family, the same on both (test_synthesis_from_a_local_project
+# and tests/workers/swe/test_swe_env.py run it on each); 24 more gold runs on docker cost the suite a minute.
+@pytest.mark.parametrize("build_backend", ["local"], indirect=True)
 async def test_instances_synthesized_from_real_pypi_projects_are_solved_by_gold_only(
     build_backend: BuildBackend, pypi_synth: Path
 ) -> None:
