@@ -12,8 +12,10 @@ is handed out once, to one episode or session, and destroyed by its owner like a
 Nothing is ever returned to a pool, so no agent sees what another left behind.
 
 Sizing follows demand unless an operator sets it. Every create or restore of a key counts
-as a claim, hit or miss. The key's target is ``ceil(headroom x claims in the last
-window_s)``, or the operator's size for it. Idle sandboxes of all keys together never
+as a claim, hit or miss, and names its task. A key's demand is the larger of its claims in
+the last ``window_s`` and the episodes queued for its tasks, this node's share
+(:meth:`WarmPool.set_demand`, fed by the node's heartbeat from the database). The key's
+target is ``ceil(headroom x demand)``, or the operator's size for it. Idle sandboxes of all keys together never
 exceed ``max_idle`` on the node. A key nobody claimed for a window shrinks to nothing and
 is forgotten.
 
@@ -56,6 +58,10 @@ logger = logging.getLogger(__name__)
 
 #: Label naming the pool key a pooled sandbox was made for.
 LABEL_POOL = "forkyard.pool"
+#: Label naming the task a sandbox runs (the runtime and the runner set it): a key's demand counts its tasks.
+LABEL_TASK = "forkyard.task"
+#: Most task names one key remembers (a key shared by more tasks undercounts their demand, no worse).
+MAX_TASKS_PER_KEY = 256
 #: The longest a tripped circuit breaker keeps a key from filling.
 MAX_COOLDOWN_S = 300.0
 #: Seconds a fill may take to start the sandbox's shell.
@@ -125,6 +131,10 @@ class _Pool:
     trips: int = 0
     closed_until: float = 0.0
     """While now is before this, the breaker is open: no fills."""
+    tasks: set[str] = field(default_factory=set)
+    """The tasks (``forkyard.task`` labels) whose claims came to this key: what its demand counts."""
+    demand: int = 0
+    """Episodes queued for those tasks, this node's share (:meth:`WarmPool.set_demand`)."""
 
 
 class WarmPool:
@@ -189,6 +199,9 @@ class WarmPool:
             pool_spec = dataclasses.replace(spec, labels={LABEL_OWNER: POOL_OWNER, LABEL_POOL: key.id[:16]})
             pool = self._pools[key.id] = _Pool(key=key, spec=pool_spec, snapshot=snapshot)
         pool.claims.append(self._clock())
+        task = spec.labels.get(LABEL_TASK)
+        if task and len(pool.tasks) < MAX_TASKS_PER_KEY:
+            pool.tasks.add(task)
         self._wake.set()
         if pool.idle:
             info = pool.idle.popleft()  # no await since the check: no other claim can take it
@@ -220,6 +233,18 @@ class WarmPool:
         for sandbox_id in set(self._claimed) - live_ids:
             del self._claimed[sandbox_id]
 
+    def set_demand(self, queued_by_task: Mapping[str, int]) -> None:
+        """Size each key for the episodes queued for its tasks (this node's share of them).
+
+        A key's target is then headroom x the larger of its claims in the window and this
+        demand, so a rollout queued after a lull (a trainer's update step) refills the keys
+        of the tasks it will run before its claims arrive. Tasks absent from
+        ``queued_by_task`` have no demand.
+        """
+        for pool in self._pools.values():
+            pool.demand = sum(queued_by_task.get(task, 0) for task in pool.tasks)
+        self._wake.set()
+
     def target(self, pool: _Pool) -> int:
         """Return how many idle sandboxes ``pool``'s key should have now (before the node's cap)."""
         for prefix, size in self.policy.sizes.items():
@@ -228,7 +253,7 @@ class WarmPool:
         horizon = self._clock() - self.policy.window_s
         while pool.claims and pool.claims[0] < horizon:
             pool.claims.popleft()
-        return math.ceil(self.policy.headroom * len(pool.claims) - 1e-9)
+        return math.ceil(self.policy.headroom * max(len(pool.claims), pool.demand) - 1e-9)
 
     def by_key(self) -> list[dict[str, Any]]:
         """Return each key's state now: its id (what ``sizes`` prefixes match), source, idle, filling,
@@ -236,6 +261,7 @@ class WarmPool:
         now = self._clock()
         keys = [{"id": pool.key.id, "backend": pool.key.backend, "source": pool.key.source,
                  "idle": len(pool.idle), "filling": pool.filling, "target": self.target(pool),
+                 "demand": pool.demand,
                  "breaker_open_s": round(max(0.0, pool.closed_until - now), 3)}
                 for pool in self._pools.values()]
         return sorted(keys, key=lambda k: (-k["idle"], k["id"]))

@@ -146,6 +146,7 @@ class NodeAgent:
             self._sessionmaker, node=self.node, backend=self._runtime.backend_name, capacity=self.capacity,
             load=self._load, interval_s=settings.nodes.heartbeat_s, address=self.address,
             sandboxes=self._runtime.list_sandboxes,
+            demand=self._runtime.pool.set_demand if self._runtime.pool is not None else None,
         )
         await self._heartbeat.start()
         self._background = [asyncio.create_task(self._listen(), name="cancel listener"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -34,8 +34,12 @@ class Heartbeat:
         interval_s: float,
         address: str | None = None,
         sandboxes: Callable[[], Awaitable[Sequence[Any]]] | None = None,
+        demand: Callable[[Mapping[str, int]], None] | None = None,
     ) -> None:
+        """``demand``: called each beat with the episodes queued for this node by task name
+        (:func:`gateway.nodes.service.queued_demand`); the node's warm pool sizes from it."""
         self.address = address
+        self._demand = demand
         self._sandboxes = sandboxes
         self._sessionmaker = sessionmaker
         self.node = node
@@ -70,6 +74,19 @@ class Heartbeat:
                     await self.record_sandboxes()
                 except Exception:
                     logger.warning("node %s: recording its sandboxes failed", self.node, exc_info=True)
+            if self._demand is not None:
+                try:
+                    await self.read_demand()
+                except Exception:
+                    logger.warning("node %s: reading the queued demand failed", self.node, exc_info=True)
+
+    async def read_demand(self) -> dict[str, int]:
+        """Read the episodes queued for this node by task now, hand them to ``demand`` and return them."""
+        assert self._demand is not None
+        async with self._sessionmaker() as db:
+            queued = await service.queued_demand(db_session=db, node=self.node)
+        self._demand(queued)
+        return queued
 
     async def record_sandboxes(self) -> int:
         """Write this node's sandbox rows from its live listing now; return how many changed."""

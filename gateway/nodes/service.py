@@ -9,10 +9,11 @@ has it take no new work (what runs finishes), else ``up``.
 from __future__ import annotations
 
 import logging
+import math
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -69,6 +70,36 @@ async def list_nodes(*, db_session: AsyncSession) -> list[NodeRead]:
     now = utcnow()
     rows = (await db_session.scalars(select(Node).order_by(Node.name))).all()
     return [read(row, now) for row in rows]
+
+
+async def queued_demand(*, db_session: AsyncSession, node: str) -> dict[str, int]:
+    """Return, by task name, the queued episodes of live rollouts this node should expect.
+
+    That is the episodes already sent to it, plus its share of those not sent anywhere yet
+    (split evenly over the nodes up). A node's warm pool sizes its keys from it
+    (:meth:`workers.pool.WarmPool.set_demand`).
+    """
+    from gateway.episodes.models import Episode
+    from gateway.rollouts.models import Rollout, RolloutStatus
+    from gateway.tasks.models import Task
+    from workers.protocol import EpisodeStatus
+
+    live = select(Rollout.id).where(Rollout.status.in_([RolloutStatus.QUEUED, RolloutStatus.RUNNING]))
+    rows = (await db_session.execute(
+        select(Task.name, Episode.node, func.count())
+        .select_from(Episode).join(Task, Task.id == Episode.task_id)
+        .where(Episode.rollout_id.in_(live), Episode.status == EpisodeStatus.QUEUED)
+        .group_by(Task.name, Episode.node)
+    )).all()
+    up = sum(1 for n in await list_nodes(db_session=db_session) if n.state == "up") or 1
+    demand: dict[str, int] = {}
+    for task, sent_to, count in rows:
+        if sent_to == node:
+            demand[task] = demand.get(task, 0) + count
+        elif sent_to is None:
+            demand[task] = demand.get(task, 0) + math.ceil(count / up)
+    await db_session.commit()
+    return demand
 
 
 async def get_node(*, db_session: AsyncSession, name: str) -> Node:

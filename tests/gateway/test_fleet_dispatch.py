@@ -90,3 +90,32 @@ async def test_a_duplicate_claim_fails_and_a_lost_lease_refuses_every_write(gate
         done = await episodes_service.finish_episode(db_session=db, episode_id=episode.id, status="completed",
                                                      termination="submitted", reward=1.0, lease="lease_three")
     assert done.status.value == "completed" and done.reward == 1.0 and done.num_turns == 1
+
+
+async def test_each_node_reads_the_demand_queued_for_it_by_task(gateway):
+    """A node's warm pool sizes from the episodes sent to it plus its share of those not sent yet."""
+    from gateway.nodes import service as nodes_service
+    from gateway.nodes.heartbeat import Heartbeat
+
+    sessionmaker = gateway.app.state.sessionmaker
+    task_ids = await import_tasks(gateway.client, ["a", "b"])
+    rollout = await create_rollout(gateway.client, task_ids, group_size=4, concurrency=3)
+    async with sessionmaker() as db:
+        for name in ("n1", "n2"):
+            await nodes_service.heartbeat(db_session=db, name=name, backend="local", capacity=4, load={},
+                                          heartbeat_s=60)
+        placed = await episodes_service.dispatch_queued(db_session=db, rollout_id=rollout["id"], free={"n1": 3},
+                                                        sent_after=an_hour_ago())
+        up = sum(1 for n in await nodes_service.list_nodes(db_session=db) if n.state == "up")
+    assert len(placed) == 3 and up >= 3  # n1, n2 and the gateway's own node
+    # Sent to n1: three of a's four samples. Not sent yet: a's fourth and b's four, split over the nodes up.
+    expected_n1 = {"a": 3 + -(-1 // up), "b": -(-4 // up)}
+    seen: list[dict[str, int]] = []
+    beat = Heartbeat(sessionmaker, node="n1", backend="local", capacity=4, load=dict, interval_s=60,
+                     demand=seen.append)
+    assert await beat.read_demand() == expected_n1 and seen == [expected_n1]
+    async with sessionmaker() as db:
+        assert await nodes_service.queued_demand(db_session=db, node="n2") == {"a": -(-1 // up), "b": -(-4 // up)}
+
+    assert (await gateway.client.post(f"/v1/rollouts/{rollout['id']}/cancel")).status_code == 200
+    assert await beat.read_demand() == {}, "a cancelled rollout wants nothing warmed"

@@ -246,3 +246,24 @@ def test_policy_refuses_nonsense() -> None:
         PoolPolicy(max_idle=-1)
     with pytest.raises(ValueError):
         PoolPolicy(window_s=0)
+
+
+async def test_queued_demand_for_a_keys_tasks_sizes_it_beyond_its_claims() -> None:
+    pool, backend, clock = fake_pool(max_idle=20, window_s=60)
+    await pool.create(SandboxSpec(image="a", labels={"forkyard.task": "t1"}))
+    await pool.create(SandboxSpec(image="b", labels={"forkyard.task": "t2"}))
+    await settle(pool, idle=4)  # one claim each: ceil(1.2 x 1) = 2 per key
+    pool.set_demand({"t1": 10, "unknown": 50})  # a rollout queued 10 episodes of t1; no key runs "unknown"
+    await settle(pool, idle=12 + 2)
+    by_source = {k["source"]: k for k in pool.by_key()}
+    assert by_source["image:sha256:a"]["target"] == 12 and by_source["image:sha256:a"]["demand"] == 10
+    assert by_source["image:sha256:b"]["target"] == 2 and by_source["image:sha256:b"]["demand"] == 0
+
+    clock.now += 61  # the claims age out of the window; the queued demand still holds t1's key
+    pool.set_demand({"t1": 10})
+    await settle(pool, idle=12)
+    assert [k["source"] for k in pool.by_key()] == ["image:sha256:a"], "b's key, wanted by nobody, is gone"
+    pool.set_demand({})  # the rollout ran (or was cancelled): nothing queued any more
+    await settle(pool, idle=0)
+    await pool.aclose()
+    assert len(backend.live) == 2, "only the two claimed sandboxes are left, with their claimers"
