@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.logs import current_request_id
 from sandboxes.errors import SandboxError
 from workers.errors import WorkerError
 
@@ -106,8 +107,6 @@ class UnavailableError(GatewayError):
 
 def request_id_of(request: Request) -> str:
     """Return the request's id as set by the request-id middleware."""
-    from gateway.middleware import current_request_id
-
     return request.scope.get("state", {}).get("request_id") or current_request_id() or ""
 
 

@@ -5,12 +5,20 @@ Only the CLI (the application entry point) installs handlers; see :func:`configu
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import re
 import sys
 
-from gateway.middleware import current_request_id
 from gateway.settings import API_KEY_PREFIX
+
+#: The id of the request being served in this context (set by the request-id middleware).
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("forkyard_request_id", default=None)
+
+
+def current_request_id() -> str | None:
+    """Return the id of the request being served in this context, if any."""
+    return request_id_var.get()
 
 _KEY_RE = re.compile(re.escape(API_KEY_PREFIX) + r"[A-Za-z0-9_\-]{6,}")
 

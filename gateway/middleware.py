@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import re
 import secrets
@@ -15,20 +14,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.db import close_request_db_session
 from gateway.errors import error_response
+from gateway.logs import request_id_var
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("gateway.access")
 
 REQUEST_ID_HEADER = "X-Request-ID"
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("forkyard_request_id", default=None)
-
-
-def current_request_id() -> str | None:
-    """Return the id of the request being served in this context, if any."""
-    return _request_id.get()
-
-
 def new_request_id() -> str:
     """Return a fresh request id."""
     return "req_" + secrets.token_hex(10)
@@ -58,7 +50,7 @@ class RequestIdMiddleware:
                 break
         rid = incoming if _VALID_REQUEST_ID.match(incoming) else new_request_id()
         scope.setdefault("state", {})["request_id"] = rid
-        token = _request_id.set(rid)
+        token = request_id_var.set(rid)
         started = False
         status = 500
         t0 = time.monotonic()
@@ -85,7 +77,7 @@ class RequestIdMiddleware:
                 "%s %s %s %.1fms request_id=%s",
                 scope["method"], scope["path"], status, (time.monotonic() - t0) * 1000, rid,
             )
-            _request_id.reset(token)
+            request_id_var.reset(token)
 
 
 class BodySizeLimitMiddleware:

@@ -8,12 +8,9 @@ import enum
 import posixpath
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from sandboxes.errors import PathEscapeError
-
-if TYPE_CHECKING:
-    from sandboxes.snapshots import Snapshot
 
 #: Default cap on the bytes of stdout (and, separately, stderr) kept per command.
 DEFAULT_MAX_OUTPUT_BYTES = 64 * 1024
@@ -108,6 +105,89 @@ class ImageInfo:
     created_at: float
     in_use: bool
     """A sandbox (live or stopped) of this backend starts from it."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """An immutable, content-addressed capture of a sandbox's filesystem and shell state (see :mod:`sandboxes.snapshots`)."""
+
+    id: str
+    backend: str
+    node: str
+    image: str
+    """The image the snapshotted sandbox was created from."""
+    ref: str
+    """docker: the snapshot image reference; local: empty (see ``layers``)."""
+    layers: tuple[str, ...] = ()
+    """local: overlay layer dirs, bottom to top; docker: empty."""
+    cwd: str = "/"
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Exported variables of the persistent shell."""
+    workdir: str = "/"
+    """The snapshotted sandbox's working directory (relative file paths start there)."""
+    config: ImageConfig = field(default_factory=ImageConfig)
+    resources: Resources = field(default_factory=Resources)
+    network: bool = False
+    digest: str = ""
+    """sha256 of the filesystem part (new layer's tree listing, or the image id)."""
+    created_at: float = 0.0
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the snapshot as plain JSON data."""
+        return {
+            "id": self.id,
+            "backend": self.backend,
+            "node": self.node,
+            "image": self.image,
+            "ref": self.ref,
+            "layers": list(self.layers),
+            "cwd": self.cwd,
+            "env": dict(self.env),
+            "workdir": self.workdir,
+            "config": {
+                "env": dict(self.config.env),
+                "workdir": self.config.workdir,
+                "user": self.config.user,
+            },
+            "resources": {
+                "cpus": self.resources.cpus,
+                "memory_mb": self.resources.memory_mb,
+                "pids": self.resources.pids,
+                "disk_mb": self.resources.disk_mb,
+            },
+            "network": self.network,
+            "digest": self.digest,
+            "created_at": self.created_at,
+            "metadata": dict(self.metadata),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Snapshot:
+        """Build a snapshot from :meth:`to_json` data."""
+        config = data.get("config") or {}
+        res = data.get("resources") or {}
+        return cls(
+            id=data["id"],
+            backend=data["backend"],
+            node=data.get("node", ""),
+            image=data.get("image", ""),
+            ref=data.get("ref", ""),
+            layers=tuple(data.get("layers") or ()),
+            cwd=data.get("cwd") or "/",
+            env=dict(data.get("env") or {}),
+            workdir=data.get("workdir") or "/",
+            config=ImageConfig(
+                env=dict(config.get("env") or {}),
+                workdir=config.get("workdir") or "/",
+                user=config.get("user") or "root",
+            ),
+            resources=Resources(**res) if res else Resources(),
+            network=bool(data.get("network", False)),
+            digest=data.get("digest", ""),
+            created_at=float(data.get("created_at") or 0.0),
+            metadata=dict(data.get("metadata") or {}),
+        )
 
 
 @runtime_checkable

@@ -30,11 +30,10 @@ import re
 import shutil
 import stat
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sandboxes.base import ImageConfig, Resources, SandboxBackend, SandboxInfo
+from sandboxes.base import SandboxBackend, SandboxInfo, Snapshot
 from sandboxes.errors import SandboxError
 from sandboxes.shell import ansi_c_quote
 
@@ -53,89 +52,6 @@ _VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # Only builtins: prints NAME=VALUE\0 for every exported variable (values may hold newlines).
 CAPTURE_COMMAND = 'for __fy_n in $(compgen -e); do printf \'%s=%s\\0\' "$__fy_n" "${!__fy_n}"; done; unset __fy_n'
 OVERLAY_OPAQUE_XATTR = "trusted.overlay.opaque"
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """An immutable, content-addressed capture of a sandbox's filesystem and shell state."""
-
-    id: str
-    backend: str
-    node: str
-    image: str
-    """The image the snapshotted sandbox was created from."""
-    ref: str
-    """docker: the snapshot image reference; local: empty (see ``layers``)."""
-    layers: tuple[str, ...] = ()
-    """local: overlay layer dirs, bottom to top; docker: empty."""
-    cwd: str = "/"
-    env: Mapping[str, str] = field(default_factory=dict)
-    """Exported variables of the persistent shell."""
-    workdir: str = "/"
-    """The snapshotted sandbox's working directory (relative file paths start there)."""
-    config: ImageConfig = field(default_factory=ImageConfig)
-    resources: Resources = field(default_factory=Resources)
-    network: bool = False
-    digest: str = ""
-    """sha256 of the filesystem part (new layer's tree listing, or the image id)."""
-    created_at: float = 0.0
-    metadata: Mapping[str, str] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the snapshot as plain JSON data."""
-        return {
-            "id": self.id,
-            "backend": self.backend,
-            "node": self.node,
-            "image": self.image,
-            "ref": self.ref,
-            "layers": list(self.layers),
-            "cwd": self.cwd,
-            "env": dict(self.env),
-            "workdir": self.workdir,
-            "config": {
-                "env": dict(self.config.env),
-                "workdir": self.config.workdir,
-                "user": self.config.user,
-            },
-            "resources": {
-                "cpus": self.resources.cpus,
-                "memory_mb": self.resources.memory_mb,
-                "pids": self.resources.pids,
-                "disk_mb": self.resources.disk_mb,
-            },
-            "network": self.network,
-            "digest": self.digest,
-            "created_at": self.created_at,
-            "metadata": dict(self.metadata),
-        }
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Snapshot:
-        """Build a snapshot from :meth:`to_json` data."""
-        config = data.get("config") or {}
-        res = data.get("resources") or {}
-        return cls(
-            id=data["id"],
-            backend=data["backend"],
-            node=data.get("node", ""),
-            image=data.get("image", ""),
-            ref=data.get("ref", ""),
-            layers=tuple(data.get("layers") or ()),
-            cwd=data.get("cwd") or "/",
-            env=dict(data.get("env") or {}),
-            workdir=data.get("workdir") or "/",
-            config=ImageConfig(
-                env=dict(config.get("env") or {}),
-                workdir=config.get("workdir") or "/",
-                user=config.get("user") or "root",
-            ),
-            resources=Resources(**res) if res else Resources(),
-            network=bool(data.get("network", False)),
-            digest=data.get("digest", ""),
-            created_at=float(data.get("created_at") or 0.0),
-            metadata=dict(data.get("metadata") or {}),
-        )
 
 
 def snapshot_metadata(extra: Mapping[str, str] | None) -> dict[str, str]:

@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from gateway.db import utcnow
 from gateway.episodes import service as episodes_service
 from gateway.fleet.queues import CANCEL_CHANNEL, RUN_EPISODE, celery_app, node_queue
+from gateway.nodes import recovery
 from gateway.nodes import service as nodes_service
 from gateway.rollouts import service as rollouts_service
 
@@ -98,7 +99,7 @@ class FleetScheduler:
         if time.monotonic() - self._settled_at >= self._heartbeat_s:
             self._settled_at = time.monotonic()
             async with self._sessionmaker() as db:
-                await nodes_service.settle_down_nodes(db_session=db, exclude="")
+                await recovery.settle_down_nodes(db_session=db, exclude="")
         async with self._sessionmaker() as db:
             nodes = await nodes_service.list_nodes(db_session=db)
         down = [n.name for n in nodes if n.state == "down"]

@@ -10,7 +10,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.db import utcnow
-from gateway.nodes import service
+from gateway.nodes import recovery, service
 from gateway.sandboxes.service import record_sandboxes
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class Heartbeat:
             try:
                 await self.beat()
                 async with self._sessionmaker() as db:
-                    await service.settle_down_nodes(db_session=db, exclude=self.node)
+                    await recovery.settle_down_nodes(db_session=db, exclude=self.node)
             except Exception:  # a database hiccup must not end the heartbeats for good
                 logger.warning("node %s: heartbeat (or settling the nodes found down) failed", self.node, exc_info=True)
             if self._sandboxes is not None:

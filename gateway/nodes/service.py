@@ -119,32 +119,6 @@ async def set_draining(*, db_session: AsyncSession, name: str, draining: bool) -
     return read(node, utcnow())
 
 
-async def settle_down_nodes(*, db_session: AsyncSession, exclude: str) -> list[str]:
-    """Hand on the work of every node found down (but ``exclude``, the caller's own node).
-
-    Its running episodes fail as interrupted and get a new attempt where attempts remain
-    (another node runs it), and its open sessions end ``failed`` with the reason: their
-    sandboxes went with their host. Idempotent and safe from several gateways at once;
-    returns the names of the down nodes that had work. A node that comes back finds its
-    episodes taken: what it finishes late is ignored (the episode is no longer running).
-    """
-    from gateway.episodes import service as episodes_service
-    from gateway.sessions import service as sessions_service
-
-    now = utcnow()
-    rows = (await db_session.scalars(select(Node).where(Node.name != exclude))).all()
-    down = [(n.name, n.heartbeat_at) for n in rows if state_of(n, now) == "down"]
-    await db_session.commit()
-    settled = []
-    for name, last in down:
-        why = f"node {name} is down (no heartbeat since {last:%Y-%m-%d %H:%M:%S} UTC)"
-        episodes = await episodes_service.requeue_interrupted(db_session=db_session, node=name, error=why)
-        sessions = await sessions_service.fail_node_sessions(db_session=db_session, node=name, error=why)
-        if episodes or sessions:
-            settled.append(name)
-    return settled
-
-
 async def is_draining(*, db_session: AsyncSession, name: str) -> bool:
     """Tell whether ``name`` is draining (False for a node never seen)."""
     return bool(await db_session.scalar(select(Node.draining).where(Node.name == name)))

@@ -46,7 +46,7 @@ from gateway.episodes.service import (
     withdraw_stale,
 )
 from gateway.errors import NotFoundError, error_body
-from gateway.middleware import current_request_id
+from gateway.logs import current_request_id
 from gateway.policies.service import current_version
 from gateway.rollouts.events import rollout_events
 from gateway.rollouts.models import (

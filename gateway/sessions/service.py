@@ -21,6 +21,7 @@ from gateway.pagination import page_of, paginate
 from gateway.sandboxes.models import Sandbox
 from gateway.sessions.gate import StepGate
 from gateway.sessions.models import EnvSession, SessionState, SessionStep
+from gateway.snapshots.collection import collect_garbage, live_backend_snapshot_ids
 from gateway.tasks.models import Task
 from gateway.tasks.service import get_task, load_task
 from workers.errors import SandboxLostError, SessionClosedError, SessionNotFoundError
@@ -362,8 +363,6 @@ async def recover_node(*, db_session: AsyncSession, runtime: WorkerClient, node:
     reaped = await runtime.reap(keep_owner_ids=set())
     if reaped:
         logger.info("reaped %d orphan sandbox(es) on node %s: %s", len(reaped), node, ", ".join(reaped))
-    from gateway.snapshots.service import live_backend_snapshot_ids
-
     keep = await live_backend_snapshot_ids(db_session=db_session, node=node)
     await db_session.commit()
     await runtime.sweep_transient_snapshots(keep_session_snapshots=keep)
@@ -425,8 +424,6 @@ async def _mark_sandboxes_gone(db_session: AsyncSession, session_ids: Iterable[s
 
 async def _collect_snapshots(db_session: AsyncSession, runtime: WorkerClient, node: str) -> None:
     """Free deleted snapshots an ended session was the last holder of, logging rather than raising."""
-    from gateway.snapshots.service import collect_garbage
-
     try:
         await collect_garbage(db_session=db_session, runtime=runtime, node=node)
     except Exception:

@@ -18,9 +18,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import bindparam, exists, or_, select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import aliased
 from sqlalchemy.orm.attributes import set_committed_value
 
 from gateway.db import new_id, utcnow
@@ -30,6 +29,7 @@ from gateway.sandboxes.models import Sandbox
 from gateway.sessions import service as sessions_service
 from gateway.sessions.gate import StepGate
 from gateway.sessions.models import EnvSession, SessionState, SessionStep
+from gateway.snapshots.collection import collect_garbage
 from gateway.snapshots.models import SnapshotRecord
 from gateway.tasks.models import Task
 from gateway.tasks.service import load_task
@@ -44,11 +44,6 @@ logger = logging.getLogger(__name__)
 _SESSION = EnvSession.__table__
 
 KIND_MANUAL = "manual"
-
-
-def backend_snapshot_id(record: SnapshotRecord) -> str:
-    """Return the id of the backend snapshot behind a record."""
-    return record.state["session"]["sandbox"]["id"]
 
 
 def snapshot_metadata(record: SnapshotRecord) -> dict[str, str]:
@@ -166,13 +161,6 @@ async def _drop_snapshot(runtime: WorkerClient, snapping: asyncio.Future) -> Non
             await runtime.delete_snapshot(snap.id, node=snap.sandbox.node)
 
     await asyncio.shield(asyncio.ensure_future(drop()))
-
-
-async def live_backend_snapshot_ids(*, db_session: AsyncSession, node: str) -> set[str]:
-    """Return the backend snapshots the not yet freed snapshot rows of ``node`` reference."""
-    rows = await db_session.scalars(
-        select(SnapshotRecord).where(SnapshotRecord.node == node, SnapshotRecord.freed_at.is_(None)))
-    return {backend_snapshot_id(r) for r in rows}
 
 
 _DELETED_AT = select(SnapshotRecord.deleted_at).where(SnapshotRecord.id == bindparam("id"))
@@ -400,46 +388,3 @@ async def delete_snapshot(*, db_session: AsyncSession, runtime: WorkerClient, sn
         raise ConflictError(f"Snapshot {snapshot_id!r} is pinned; unpin it before deleting it.",
                             code="snapshot_pinned")
     await collect_garbage(db_session=db_session, runtime=runtime, node=record.node)
-
-
-async def collect_garbage(*, db_session: AsyncSession, runtime: WorkerClient, node: str) -> list[str]:
-    """Delete the snapshots of ``node`` that nothing holds and free their backend storage; return their ids.
-
-    Holders: an open fork, the pin, and (unless the snapshot was deleted) its open source session.
-    """
-    fork = aliased(EnvSession)
-    source = aliased(EnvSession)
-    forked_open = exists().where(fork.snapshot_id == SnapshotRecord.id, fork.state == SessionState.OPEN)
-    source_open = exists().where(source.id == SnapshotRecord.session_id, source.state == SessionState.OPEN)
-    stmt = select(SnapshotRecord).where(
-        SnapshotRecord.node == node, SnapshotRecord.freed_at.is_(None), SnapshotRecord.pinned.is_(False),
-        ~forked_open, or_(SnapshotRecord.deleted_at.is_not(None), ~source_open),
-    )
-    doomed = list((await db_session.scalars(stmt)).all())
-    if not doomed:
-        return []
-    now = utcnow()
-    for record in doomed:
-        if record.deleted_at is None:  # its session ended with nothing else holding it
-            record.deleted_at = now
-    live = select(SnapshotRecord).where(SnapshotRecord.node == node, SnapshotRecord.freed_at.is_(None))
-    live_rows = list((await db_session.scalars(live)).all())
-    await db_session.commit()
-    doomed_ids = {r.id for r in doomed}
-    still_used = {backend_snapshot_id(r) for r in live_rows if r.id not in doomed_ids}
-    freed = []
-    for record in doomed:
-        ref = backend_snapshot_id(record)
-        if ref not in still_used:  # content-addressed: another record may share the backend snapshot
-            try:
-                await runtime.delete_snapshot(ref, node=node)
-            except Exception:
-                logger.exception("snapshot %s: freeing backend snapshot %s failed; will retry", record.id, ref)
-                continue
-            still_used.add(ref)  # freed once is enough
-        record.freed_at = utcnow()
-        freed.append(record.id)
-    await db_session.commit()
-    if freed:
-        logger.info("freed %d snapshot(s): %s", len(freed), ", ".join(freed))
-    return freed

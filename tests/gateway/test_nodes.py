@@ -10,7 +10,7 @@ from datetime import timedelta
 from gateway.app import create_app
 from gateway.cli import _settings, _with_db
 from gateway.db import utcnow
-from gateway.nodes import service
+from gateway.nodes import recovery, service
 from gateway.nodes.models import Node
 from tests.gateway.conftest import NODE, FakeRuntime, asgi_client, assert_error, make_settings, task_files
 
@@ -113,4 +113,4 @@ async def test_the_work_of_a_node_found_down_is_handed_on(tmp_path):
             assert session["state"] == "failed" and "node dead-host is down" in session["error"]
             # This gateway's own node is never settled, and a second pass finds nothing left to do.
             async with sm() as db:
-                assert await service.settle_down_nodes(db_session=db, exclude=NODE) == []
+                assert await recovery.settle_down_nodes(db_session=db, exclude=NODE) == []
