@@ -35,6 +35,7 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -150,9 +151,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--episodes", type=int, default=32)
+    parser.add_argument("--only", choices=("all", "step"), default="all",
+                        help="step: only the step latencies (and the hop), in a minute or two")
     args = parser.parse_args()
+    full = args.only == "all"
     rows: dict[str, float] = {}
-    pools = asyncio.run(measure_all(10))
+    pools = asyncio.run(measure_all(10)) if full else None
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         work = Path(tmp)
         # ----------------------------------------------------------------- embedded baseline
@@ -163,8 +167,9 @@ def main() -> None:
             first = tasks[TASK_NAMES[0]]
             rows["embedded REST step"] = med_ms(rest_steps(http, first, args.steps))
             rows["embedded gRPC step"] = med_ms(grpc_session_steps(http, gw.grpc, gw.key, first, args.steps))
-            rows["embedded dispatch"] = med_ms(dispatch_latencies(http, first))
-            rows["embedded episodes/min"] = throughput(http, tasks, args.episodes, concurrency=4)
+            if full:
+                rows["embedded dispatch"] = med_ms(dispatch_latencies(http, first))
+                rows["embedded episodes/min"] = throughput(http, tasks, args.episodes, concurrency=4)
         # ----------------------------------------------------------------- embedded on PostgreSQL
         # The fleet's gateways run on PostgreSQL: the hop to a node is measured against this.
         (work / "up-pg").mkdir()
@@ -190,12 +195,19 @@ def main() -> None:
                 first = tasks[TASK_NAMES[0]]
                 rows["fleet REST step"] = med_ms(rest_steps(http, first, args.steps))
                 rows["fleet gRPC step"] = med_ms(grpc_session_steps(http, grpc_address, f.api_key, first, args.steps))
+                if not full:
+                    print_rows(rows, args, None)
+                    return
                 rows["fleet dispatch"] = med_ms(dispatch_latencies(http, first))
                 rows["fleet episodes/min, 1 worker"] = throughput(http, tasks, args.episodes, concurrency=64)
                 f.start_worker("n2", capacity=4)
                 rows["fleet episodes/min, 2 workers"] = throughput(http, tasks, args.episodes, concurrency=64)
                 f.start_worker("n3", capacity=4)
                 rows["fleet episodes/min, 3 workers"] = throughput(http, tasks, args.episodes, concurrency=64)
+    print_rows(rows, args, pools)
+
+
+def print_rows(rows: dict[str, float], args: argparse.Namespace, pools: Any) -> None:
     print(f"# bench/fleet.py — {datetime.now():%Y-%m-%d %H:%M}, {platform.node()}, {platform.processor() or 'cpu'}, "
           f"{os.cpu_count()} CPUs; {args.steps} steps, {args.episodes} episodes per rollout")
     for name, value in rows.items():
@@ -206,6 +218,8 @@ def main() -> None:
     verdict = "met" if added <= TARGET_ADDED_MS else "missed"
     print(f"the hop to a node adds {added:.2f} ms to a REST step, {added_grpc:.2f} ms to a gRPC step, at p50, over "
           f"the embedded gateway on the same PostgreSQL (target <= {TARGET_ADDED_MS} ms: {verdict})")
+    if pools is None:
+        return
     print(f"dispatch: fleet / embedded = {rows['fleet dispatch'] / rows['embedded dispatch']:.2f}x")
     one = rows["fleet episodes/min, 1 worker"]
     print("throughput vs 1 worker: " + ", ".join(
