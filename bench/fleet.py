@@ -10,6 +10,9 @@ started). Everything comes from the same run, on the local backend:
   ``forkyard gateway`` to the ``forkyard worker`` that owns the
   sandbox (one more hop, over the node's gRPC channel); and the same step over the
   trainer's gRPC channel (``Sessions.Attach``) of each;
+- ``node call``: the bare round trip of the node channel (a call that touches no sandbox
+  and no database) from a client on asyncio's loop and on uvloop's (the gateways' and the
+  nodes' loop);
 - ``dispatch``: a rollout's creation to its (only) episode starting, p50 over 10 rollouts
   of one episode that submits at once: the embedded dispatcher vs. the fleet scheduler,
   a Celery job over Redis and the node's claim;
@@ -20,7 +23,8 @@ started). Everything comes from the same run, on the local backend:
 - ``pool``: a warm pool claim against a cold sandbox on docker and local (``bench/pool.py``).
 
 Workers pool by default (up to their capacity idle), so the throughput rows include the
-pools: the fills compete with the episodes for this machine's cores.
+pools: the fills compete with the episodes for this machine's cores. The step rows wait for
+the pools to settle after the session's claim (no fill runs while steps are timed).
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ ORACLE = {"name": "oracle", "api": "scripted", "model": "oracle"}
 SUBMIT = {"name": "submit", "api": "scripted", "model": "x", "actions": [{"tool": "submit", "arguments": {}}]}
 #: The issue's target: the hop to a node adds at most this at p50.
 TARGET_ADDED_MS = 0.5
+#: The nodes' heartbeat in this bench (their load, pools included, is as fresh as it).
+HEARTBEAT_S = 1.0
 
 
 def import_tasks(http: httpx.Client) -> dict[str, str]:
@@ -64,8 +70,25 @@ def import_tasks(http: httpx.Client) -> dict[str, str]:
     return {t["name"]: t["id"] for t in r.json()["items"]}
 
 
+def settle_pools(http: httpx.Client, timeout_s: float = 30.0) -> None:
+    """Wait until no node's warm pool is filling, so no fill competes with the steps measured next.
+
+    Opening a session is a claim: the node's pool then starts sandboxes for the next one,
+    which takes the cores for a second or so. The embedded gateway pools nothing.
+    """
+    time.sleep(HEARTBEAT_S * 1.5)  # the claim's fills show in the next heartbeat's load
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pools = [n["load"].get("pool") or {} for n in http.get("/v1/nodes").raise_for_status().json()["items"]]
+        if all(not p.get("filling") and all(k["idle"] >= k["target"] for k in p.get("by_key", ()))
+               for p in pools):
+            return
+        time.sleep(0.5)
+
+
 def rest_steps(http: httpx.Client, task_id: str, steps: int) -> list[float]:
     sid = http.post("/v1/sessions", json={"task_id": task_id}).raise_for_status().json()["id"]
+    settle_pools(http)
     body = {"action": {"tool": "bash", "arguments": {"command": command(1024)}}}
     times = []
     for _ in range(steps + 10):
@@ -106,10 +129,37 @@ async def grpc_steps(address: str, key: str, session_id: str, steps: int) -> lis
 
 def grpc_session_steps(http: httpx.Client, address: str, key: str, task_id: str, steps: int) -> list[float]:
     sid = http.post("/v1/sessions", json={"task_id": task_id}).raise_for_status().json()["id"]
+    settle_pools(http)
     try:
         return asyncio.run(grpc_steps(address, key, sid, steps))
     finally:
         http.delete(f"/v1/sessions/{sid}")
+
+
+async def node_calls(address: str, calls: int) -> list[float]:
+    """Time the bare node channel: ``session_count`` calls (no sandbox, no database) from this process."""
+    from gateway.fleet.sessions import NodeClient
+
+    client = NodeClient("bench", address)
+    times = []
+    try:
+        for _ in range(calls + 50):
+            started = time.perf_counter()
+            await client.call("session_count")
+            times.append(time.perf_counter() - started)
+    finally:
+        await client.aclose()
+    return times[50:]
+
+
+def node_address(http: httpx.Client, node: str, timeout_s: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for n in http.get("/v1/nodes").raise_for_status().json()["items"]:
+            if n["name"] == node and n.get("address"):
+                return n["address"]
+        time.sleep(0.2)
+    raise RuntimeError(f"node {node} shows no address")
 
 
 def wait_rollout(http: httpx.Client, rollout_id: str, timeout_s: float = 600) -> dict:
@@ -185,7 +235,8 @@ def main() -> None:
             finally:
                 del os.environ["FORKYARD_DATABASE_URL"]
         # ----------------------------------------------------------------- distributed
-        env = {"FORKYARD_GRPC_PORT": "0", "FORKYARD_FLEET__SCHEDULE_S": "0.2"}
+        env = {"FORKYARD_GRPC_PORT": "0", "FORKYARD_FLEET__SCHEDULE_S": "0.2",
+               "FORKYARD_NODES__HEARTBEAT_S": str(HEARTBEAT_S)}
         with fleet(work / "fleet", env=env) as f:
             url = f.start_gateway("a")
             grpc_address = f.gateways["a"].wait_line("FORKYARD_GRPC", 10)
@@ -195,6 +246,12 @@ def main() -> None:
                 first = tasks[TASK_NAMES[0]]
                 rows["fleet REST step"] = med_ms(rest_steps(http, first, args.steps))
                 rows["fleet gRPC step"] = med_ms(grpc_session_steps(http, grpc_address, f.api_key, first, args.steps))
+                from gateway.fleet import event_loop
+
+                address = node_address(http, "n1")
+                rows["node call, asyncio client"] = med_ms(asyncio.run(node_calls(address, 2000)))
+                with asyncio.Runner(loop_factory=event_loop) as runner:
+                    rows["node call, uvloop client"] = med_ms(runner.run(node_calls(address, 2000)))
                 if not full:
                     print_rows(rows, args, None)
                     return

@@ -136,13 +136,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     return _run_app(create_app(settings), args.host, args.port, key)
 
 
-def _run_app(app: Any, host: str, port: int, key: str | None) -> int:
+def _run_app(app: Any, host: str, port: int, key: str | None, *,
+             loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> int:
     """Serve ``app`` until a stop signal; print its URL (and ``key``) once it is ready."""
     import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=30)
-    started = asyncio.run(_serve(_uvicorn_server_class()(config), host, key))
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        started = runner.run(_serve(_uvicorn_server_class()(config), host, key))
     if not started:
         reason = app.state.startup_error
         raise CLIError(f"the gateway did not start: {reason}" if reason else "the gateway did not start; see the log")
@@ -172,7 +174,9 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     configure_logging(args.log_level.upper())
     settings = _fleet_settings()
     _stderr(f"forkyard: starting a gateway on {args.host}:{args.port} (distributed mode)")
-    return _run_app(create_app(settings, distributed=True), args.host, args.port, None)
+    from gateway.fleet import event_loop
+
+    return _run_app(create_app(settings, distributed=True), args.host, args.port, None, loop_factory=event_loop)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -32,6 +32,7 @@ import grpc
 from gateway.db import check_database, create_engine, create_sessionmaker, new_id, redact_database_url
 from gateway.episodes import service as episodes_service
 from gateway.errors import NotFoundError
+from gateway.fleet import event_loop
 from gateway.fleet.queues import CANCEL_CHANNEL, RUN_EPISODE, SHARED_QUEUE, celery_app, node_queue
 from gateway.fleet.sessions import pb2, pb2_grpc
 from gateway.nodes import service as nodes_service
@@ -66,7 +67,7 @@ class NodeAgent:
         self.capacity = capacity
         self.outcomes: dict[str, int] = {RAN: 0, DUPLICATE: 0, RETURNED: 0, CANCELLED: 0, FAILED: 0}
         """How many jobs ended each way (reported with the heartbeat's load)."""
-        self._loop = asyncio.new_event_loop()
+        self._loop = event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"node {self.node}", daemon=True)
         self._runs: dict[str, set[asyncio.Task[Any]]] = {}
         self._plans: dict[str, tuple[Rollout, RolloutPlan]] = {}
