@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Generic, Protocol, TypeVar, Union
 
 import httpx
 import pydantic
@@ -359,3 +359,35 @@ class BaseClient(Generic[HttpxClientT]):
         if options.transform is not None:
             result = options.transform(result)
         return result
+
+
+class Requester(Protocol):
+    """What an event stream's flow uses of either client: how it builds requests and reads failed answers."""
+
+    def _build_request(self, options: RequestOptions[Any], retries_done: int) -> httpx.Request: ...
+
+    def _retry_delay_for_response(self, response: httpx.Response, idempotent: bool,
+                                  retries_done: int) -> float | None: ...
+
+    def _make_status_error(self, response: httpx.Response) -> APIStatusError: ...
+
+
+class SyncRequester(Requester, Protocol):
+    """What resources, pagers and streams use of a :class:`~forkyard.Client`: its requests, its HTTP client
+    and its sleep (the seam between them and the client that owns them)."""
+
+    _http: httpx.Client
+
+    def _request(self, options: RequestOptions[R]) -> R: ...
+
+    def _sleep(self, seconds: float) -> None: ...
+
+
+class AsyncRequester(Requester, Protocol):
+    """What resources, pagers and streams use of an :class:`~forkyard.AsyncClient`."""
+
+    _http: httpx.AsyncClient
+
+    async def _request(self, options: RequestOptions[R]) -> R: ...
+
+    async def _sleep(self, seconds: float) -> None: ...

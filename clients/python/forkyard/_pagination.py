@@ -10,7 +10,7 @@ from ._base_client import RequestOptions
 from ._models import Page
 
 if TYPE_CHECKING:
-    from ._client import AsyncClient, Client
+    from ._base_client import AsyncRequester, SyncRequester
 
 __all__ = ["Pager", "AsyncPager"]
 
@@ -42,7 +42,7 @@ class _BasePager(Generic[T]):
 class Pager(_BasePager[T]):
     """Iterate over every item of a list endpoint, fetching pages lazily as needed."""
 
-    def __init__(self, client: Client, page_request: PageRequest[T], cursor: str | None = None) -> None:
+    def __init__(self, client: SyncRequester, page_request: PageRequest[T], cursor: str | None = None) -> None:
         super().__init__(page_request, cursor)
         self._client = client
 
@@ -68,7 +68,7 @@ class Pager(_BasePager[T]):
 class AsyncPager(_BasePager[T]):
     """Iterate (`async for`) over every item of a list endpoint, fetching pages lazily."""
 
-    def __init__(self, client: AsyncClient, page_request: PageRequest[T], cursor: str | None = None) -> None:
+    def __init__(self, client: AsyncRequester, page_request: PageRequest[T], cursor: str | None = None) -> None:
         super().__init__(page_request, cursor)
         self._client = client
 

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, Union
 
 import httpx
 
-from ._base_client import _NEVER_RETRY_ERRORS, RequestOptions, _Sleep, backoff_delay
+from ._base_client import _NEVER_RETRY_ERRORS, Requester, RequestOptions, _Sleep, backoff_delay
 from ._exceptions import APIConnectionError, APIResponseValidationError, APITimeoutError
 
 if TYPE_CHECKING:
-    from ._client import AsyncClient, Client
+    from ._base_client import AsyncRequester, SyncRequester
 
 __all__ = [
     "ServerSentEvent",
@@ -213,7 +213,7 @@ def _is_event_stream(response: httpx.Response) -> bool:
 
 
 def sse_flow(
-    client: Client | AsyncClient,
+    client: Requester,
     options: RequestOptions[Any],
     handle: EventHandler,
     *,
@@ -306,7 +306,7 @@ def sse_flow(
 class Stream(Generic[T]):
     """Iterate over the items of a server-sent event stream; close it (or use `with`) when leaving early."""
 
-    def __init__(self, client: Client, flow: _StreamFlow) -> None:
+    def __init__(self, client: SyncRequester, flow: _StreamFlow) -> None:
         self._client = client
         self._iterator = self._drive(flow)
 
@@ -368,7 +368,7 @@ class Stream(Generic[T]):
 class AsyncStream(Generic[T]):
     """Iterate (`async for`) over the items of a server-sent event stream; aclose it when leaving early."""
 
-    def __init__(self, client: AsyncClient, flow: _StreamFlow) -> None:
+    def __init__(self, client: AsyncRequester, flow: _StreamFlow) -> None:
         self._client = client
         self._iterator = self._drive(flow)
 

@@ -10,7 +10,7 @@ from .._pagination import AsyncPager, Pager
 from ._resource import Resource
 
 if TYPE_CHECKING:
-    from .._client import AsyncClient, Client
+    from .._base_client import AsyncRequester, SyncRequester
 
 __all__ = ["Environments", "AsyncEnvironments"]
 
@@ -28,7 +28,7 @@ def _page_request(cursor: str | None) -> RequestOptions[Page[Environment]]:
 
 class Environments(Resource):
     """Create and list environments."""
-    _client: Client
+    _client: SyncRequester
 
     def create(
         self, name: str, *, family: str = "terminal", version: str = "1", description: str | None = None
@@ -43,7 +43,7 @@ class Environments(Resource):
 
 class AsyncEnvironments(Resource):
     """Create and list environments."""
-    _client: AsyncClient
+    _client: AsyncRequester
 
     async def create(
         self, name: str, *, family: str = "terminal", version: str = "1", description: str | None = None

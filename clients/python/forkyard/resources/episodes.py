@@ -10,7 +10,7 @@ from .._pagination import DEFAULT_PAGE_SIZE, AsyncPager, Pager, PageRequest
 from ._resource import Resource, path_id
 
 if TYPE_CHECKING:
-    from .._client import AsyncClient, Client
+    from .._base_client import AsyncRequester, SyncRequester
     from .._models import EpisodeStatus
 
 __all__ = ["Episodes", "AsyncEpisodes"]
@@ -46,7 +46,7 @@ def _tree_request(episode_id: str) -> RequestOptions[EpisodeTree]:
 
 class Episodes(Resource):
     """List and fetch episodes."""
-    _client: Client
+    _client: SyncRequester
 
     def list(
         self,
@@ -74,7 +74,7 @@ class Episodes(Resource):
 
 class AsyncEpisodes(Resource):
     """List and fetch episodes."""
-    _client: AsyncClient
+    _client: AsyncRequester
 
     def list(
         self,

@@ -9,7 +9,7 @@ from .._models import Node, NodeList
 from ._resource import Resource, path_id
 
 if TYPE_CHECKING:
-    from .._client import AsyncClient, Client
+    from .._base_client import AsyncRequester, SyncRequester
 
 __all__ = ["Nodes", "AsyncNodes"]
 
@@ -24,7 +24,7 @@ def _drain_request(name: str, action: str) -> RequestOptions[Node]:
 
 class Nodes(Resource):
     """See the fleet's nodes; drain one before maintenance (what runs finishes, nothing new starts)."""
-    _client: Client
+    _client: SyncRequester
 
     def list(self) -> list[Node]:
         """Every node with its state (``up``, ``down``, ``draining``), backend, capacity and load."""
@@ -41,7 +41,7 @@ class Nodes(Resource):
 
 class AsyncNodes(Resource):
     """See the fleet's nodes; drain one before maintenance (what runs finishes, nothing new starts)."""
-    _client: AsyncClient
+    _client: AsyncRequester
 
     async def list(self) -> list[Node]:
         """Every node with its state (``up``, ``down``, ``draining``), backend, capacity and load."""

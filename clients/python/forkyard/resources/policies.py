@@ -9,7 +9,7 @@ from .._models import Policy
 from ._resource import Resource, path_id
 
 if TYPE_CHECKING:
-    from .._client import AsyncClient, Client
+    from .._base_client import AsyncRequester, SyncRequester
 
 __all__ = ["Policies", "AsyncPolicies"]
 
@@ -36,7 +36,7 @@ def _get_request(name: str) -> RequestOptions[Policy]:
 
 class Policies(Resource):
     """Tell the gateway about a policy's weights: its version, and whether to dispatch to it."""
-    _client: Client
+    _client: SyncRequester
 
     def set_version(self, name: str, version: int) -> Policy:
         """Announce that the policy's servers now hold weight version `version` (staleness counts from it)."""
@@ -57,7 +57,7 @@ class Policies(Resource):
 
 class AsyncPolicies(Resource):
     """Tell the gateway about a policy's weights: its version, and whether to dispatch to it."""
-    _client: AsyncClient
+    _client: AsyncRequester
 
     async def set_version(self, name: str, version: int) -> Policy:
         """Announce that the policy's servers now hold weight version `version` (staleness counts from it)."""

@@ -34,7 +34,7 @@ from .._training import DEFAULT_EPS, group_advantages
 from ._resource import Resource, path_id
 
 if TYPE_CHECKING:
-    from .._client import AsyncClient, Client
+    from .._base_client import AsyncRequester, SyncRequester
     from .._models import Task
 
 __all__ = ["Rollouts", "AsyncRollouts", "EpisodeBatch", "AsyncEpisodeBatch"]
@@ -433,7 +433,7 @@ def _error_message(data: str) -> str:
 
 class Rollouts(Resource):
     """Submit, inspect and cancel rollouts; receive their episodes."""
-    _client: Client
+    _client: SyncRequester
 
     def create(
         self,
@@ -572,7 +572,7 @@ class Rollouts(Resource):
 
 class AsyncRollouts(Resource):
     """Submit, inspect and cancel rollouts; receive their episodes."""
-    _client: AsyncClient
+    _client: AsyncRequester
 
     async def create(
         self,

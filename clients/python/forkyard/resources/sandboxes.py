@@ -10,7 +10,7 @@ from .._pagination import AsyncPager, Pager
 from ._resource import Resource
 
 if TYPE_CHECKING:
-    from .._client import AsyncClient, Client
+    from .._base_client import AsyncRequester, SyncRequester
 
 __all__ = ["Sandboxes", "AsyncSandboxes"]
 
@@ -21,7 +21,7 @@ def _page_request(cursor: str | None) -> RequestOptions[Page[Sandbox]]:
 
 class Sandboxes(Resource):
     """List live sandboxes."""
-    _client: Client
+    _client: SyncRequester
 
     def list(self) -> Pager[Sandbox]:
         """Iterate over every live sandbox on every node."""
@@ -30,7 +30,7 @@ class Sandboxes(Resource):
 
 class AsyncSandboxes(Resource):
     """List live sandboxes."""
-    _client: AsyncClient
+    _client: AsyncRequester
 
     def list(self) -> AsyncPager[Sandbox]:
         """Iterate (`async for`) over every live sandbox on every node."""

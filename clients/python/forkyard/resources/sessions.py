@@ -12,10 +12,9 @@ from .._exceptions import NotFoundError
 from .._models import Page, SessionInfo, SessionStepRecord, Snapshot, StepResult
 from .._pagination import DEFAULT_PAGE_SIZE, AsyncPager, Pager, PageRequest
 from ._resource import Resource, path_id
-from .snapshots import snapshot_request
 
 if TYPE_CHECKING:
-    from .._client import AsyncClient, Client
+    from .._base_client import AsyncRequester, SyncRequester
 
 __all__ = ["Sessions", "AsyncSessions", "Session", "AsyncSession", "AsyncSessionOpener"]
 
@@ -61,6 +60,11 @@ def _steps_request(session_id: str, limit: int) -> PageRequest[SessionStepRecord
         return RequestOptions("GET", path, params={"limit": limit, "cursor": cursor}, cast_to=Page[SessionStepRecord])
 
     return page
+
+
+def snapshot_request(session_id: str) -> RequestOptions[Snapshot]:
+    """Return the request snapshotting an open session."""
+    return RequestOptions("POST", f"/v1/sessions/{path_id(session_id, 'session_id')}/snapshot", cast_to=Snapshot)
 
 
 class _SessionBase:
@@ -264,7 +268,7 @@ class AsyncSessionOpener(Awaitable[AsyncSession]):
 
 class Sessions(Resource):
     """Open, drive and close sessions."""
-    _client: Client
+    _client: SyncRequester
 
     def create(self, task_id: str) -> Session:
         """Open a session on a task (starts its sandbox); close it, or use it in a `with` block."""
@@ -297,7 +301,7 @@ class Sessions(Resource):
 
 class AsyncSessions(Resource):
     """Open, drive and close sessions."""
-    _client: AsyncClient
+    _client: AsyncRequester
 
     def create(self, task_id: str) -> AsyncSessionOpener:
         """Open a session on a task: `async with aclient.sessions.create(id) as s`, or `s = await ...`."""

@@ -9,10 +9,19 @@ from .._base_client import RequestOptions
 from .._models import ForkyardModel, Page, SessionInfo, Snapshot
 from .._pagination import AsyncPager, Pager
 from ._resource import Resource, path_id
+from .sessions import snapshot_request
 
 if TYPE_CHECKING:
-    from .._client import AsyncClient, Client
-    from .sessions import AsyncSession, Session
+    from typing import Protocol
+
+    from .._base_client import AsyncRequester, SyncRequester
+    from .sessions import AsyncSession, AsyncSessions, Session, Sessions
+
+    class _ForkingRequester(SyncRequester, Protocol):
+        sessions: Sessions  # forks come back as sessions of the same client
+
+    class _AsyncForkingRequester(AsyncRequester, Protocol):
+        sessions: AsyncSessions
 
 __all__ = ["Snapshots", "AsyncSnapshots", "SessionList", "AsyncSessionList", "MAX_FORK"]
 
@@ -24,11 +33,6 @@ S = TypeVar("S")
 
 class _Forked(ForkyardModel):
     items: list[SessionInfo]
-
-
-def snapshot_request(session_id: str) -> RequestOptions[Snapshot]:
-    """Return the request snapshotting an open session."""
-    return RequestOptions("POST", f"/v1/sessions/{path_id(session_id, 'session_id')}/snapshot", cast_to=Snapshot)
 
 
 def _fork_request(snapshot_id: str, n: int) -> RequestOptions[_Forked]:
@@ -109,7 +113,7 @@ class AsyncSessionList(list["AsyncSession"]):
 
 class Snapshots(Resource):
     """Fork, list, pin, unpin and delete session snapshots."""
-    _client: Client
+    _client: _ForkingRequester
 
     def create(self, session_id: str) -> Snapshot:
         """Snapshot an open session (filesystem, shell cwd and exports, history; not background processes)."""
@@ -145,7 +149,7 @@ class Snapshots(Resource):
 
 class AsyncSnapshots(Resource):
     """Fork, list, pin, unpin and delete session snapshots."""
-    _client: AsyncClient
+    _client: _AsyncForkingRequester
 
     async def create(self, session_id: str) -> Snapshot:
         """Snapshot an open session (filesystem, shell cwd and exports, history; not background processes)."""

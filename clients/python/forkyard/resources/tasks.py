@@ -14,7 +14,7 @@ from .._pagination import DEFAULT_PAGE_SIZE, AsyncPager, Pager, PageRequest
 from ._resource import Resource, items_of, path_id
 
 if TYPE_CHECKING:
-    from .._client import AsyncClient, Client
+    from .._base_client import AsyncRequester, SyncRequester
 
 __all__ = ["Tasks", "AsyncTasks"]
 
@@ -106,7 +106,7 @@ def _get_request(task_id: str) -> RequestOptions[Task]:
 
 class Tasks(Resource):
     """Import, list and fetch tasks."""
-    _client: Client
+    _client: SyncRequester
 
     def import_dir(self, path: str | os.PathLike[str], *, environment: str = DEFAULT_ENVIRONMENT) -> list[Task]:
         """Upload a task directory, or a directory of task directories, and return the tasks.
@@ -152,7 +152,7 @@ class Tasks(Resource):
 
 class AsyncTasks(Resource):
     """Import, list and fetch tasks."""
-    _client: AsyncClient
+    _client: AsyncRequester
 
     async def import_dir(
         self, path: str | os.PathLike[str], *, environment: str = DEFAULT_ENVIRONMENT
