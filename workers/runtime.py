@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sandboxes.base import LABEL_OWNER, SandboxBackend, SandboxInfo
-from sandboxes.errors import SandboxCrashedError, SandboxNotFoundError
+from sandboxes.errors import SandboxCrashedError, SandboxError, SandboxNotFoundError
 from workers.envs.base import (
     Action,
     EnvContext,
@@ -31,9 +31,11 @@ from workers.envs.base import (
 from workers.envs.registry import family_of
 from workers.errors import (
     ActionError,
+    SandboxBackendError,
     SandboxLostError,
     SessionClosedError,
     SessionNotFoundError,
+    WorkerError,
 )
 from workers.protocol import SESSION_SNAPSHOT_KEY
 
@@ -58,6 +60,23 @@ class SessionOpened:
     sandbox: SandboxInfo
     observation: str
     tools: list[dict[str, Any]]
+
+
+def worker_error(exc: Exception) -> WorkerError:
+    """Return the worker error (what crosses the wire) for any exception of a runtime call.
+
+    A sandbox that crashed or vanished is :class:`SandboxLostError`; another backend error is
+    :class:`SandboxBackendError`; a worker error is itself; anything else is logged and
+    answered as an internal error, its details kept off the wire.
+    """
+    if isinstance(exc, WorkerError):
+        return exc
+    if isinstance(exc, SandboxCrashedError | SandboxNotFoundError):
+        return SandboxLostError(str(exc))
+    if isinstance(exc, SandboxError):
+        return SandboxBackendError(f"sandbox backend error: {exc}")
+    logger.error("runtime call failed unexpectedly", exc_info=exc)
+    return WorkerError("An internal error occurred.")
 
 
 class WorkerRuntime:
@@ -245,7 +264,7 @@ class WorkerRuntime:
         try:
             return await running
         except (SandboxCrashedError, SandboxNotFoundError) as exc:
-            raise SandboxLostError(str(exc)) from exc
+            raise worker_error(exc) from exc
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if running.cancelled() and not (current is not None and current.cancelling()):

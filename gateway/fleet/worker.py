@@ -42,10 +42,10 @@ from gateway.rollouts.events import RedisBridge, rollout_events
 from gateway.rollouts.hosting import EpisodeHost
 from gateway.rollouts.models import RolloutStatus
 from gateway.sessions import service as sessions_service
-from sandboxes.errors import SandboxCrashedError, SandboxError, SandboxNotFoundError
-from workers.errors import NotSupportedError, SandboxBackendError, SandboxLostError, WorkerError
+from workers.errors import NotSupportedError, WorkerError
 from workers.protocol import EpisodeStatus, OpenedWire, SandboxWire, StepWire
 from workers.runner import StageLimits
+from workers.runtime import worker_error
 
 if TYPE_CHECKING:
     from gateway.rollouts.hosting import LoadedTask, RolloutPlan
@@ -376,7 +376,7 @@ class NodeServicer(pb2_grpc.NodeServicer):  # type: ignore[misc,name-defined]
         except WorkerError as exc:
             return pb2.NodeReply(id=request.id, error_json=json.dumps(exc.to_wire(), default=str))
         except Exception as exc:
-            return pb2.NodeReply(id=request.id, error_json=json.dumps(_sandbox_error(exc).to_wire()))
+            return pb2.NodeReply(id=request.id, error_json=json.dumps(worker_error(exc).to_wire()))
 
     async def _open_session(self, session_id: str, task_id: str, labels: dict[str, str]) -> dict[str, Any]:
         task, env_version = await self._load_task(task_id)
@@ -408,12 +408,3 @@ class NodeServicer(pb2_grpc.NodeServicer):  # type: ignore[misc,name-defined]
     async def _session_count(self) -> int:
         return int(self._runtime.session_count())
 
-
-def _sandbox_error(exc: Exception) -> WorkerError:
-    """Map a sandbox backend's exception to the worker error that crosses the wire."""
-    if isinstance(exc, SandboxCrashedError | SandboxNotFoundError):
-        return SandboxLostError(str(exc))
-    if isinstance(exc, SandboxError):
-        return SandboxBackendError(f"sandbox backend error: {exc}")
-    logger.error("node call failed unexpectedly", exc_info=exc)
-    return WorkerError("An internal error occurred.")

@@ -79,6 +79,21 @@ def test_a_lost_sandbox_crosses_the_wire_by_code() -> None:
     assert isinstance(again, SandboxLostError) and str(again) == "gone"
 
 
+def test_runtime_errors_map_to_wire_errors_in_one_place() -> None:
+    from sandboxes.errors import SandboxCrashedError, SandboxError, SandboxNotFoundError
+    from workers.errors import ActionError, SandboxBackendError, WorkerError
+    from workers.runtime import worker_error
+
+    assert type(worker_error(SandboxCrashedError("shell died"))) is SandboxLostError
+    assert type(worker_error(SandboxNotFoundError("no sbx"))) is SandboxLostError
+    backend = worker_error(SandboxError("engine said no"))
+    assert type(backend) is SandboxBackendError and "engine said no" in str(backend)
+    action = ActionError("bad args")
+    assert worker_error(action) is action
+    internal = worker_error(KeyError("secret-detail"))
+    assert type(internal) is WorkerError and "secret-detail" not in str(internal)
+
+
 @pytest.mark.parametrize("build_backend", ["local"], indirect=True)
 async def test_a_step_on_a_vanished_sandbox_is_a_lost_sandbox(build_backend) -> None:
     task = get_family("terminal").load_task("wire-lost", {
