@@ -6,8 +6,7 @@ numbers say nothing about tasks or episodes.
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,56 +32,55 @@ class Metric:
     value: int | float
 
 
+#: (name, kind, help, key): the metrics read from one stats mapping, zero where a key is missing.
+_Table = list[tuple[str, str, str, str]]
+
+_ENV: _Table = [
+    ("forkyard_env_resets_total", "counter", "Environment resets.", "resets"),
+    ("forkyard_env_steps_total", "counter", "Environment steps executed (tool calls and truncations).", "env_steps"),
+    ("forkyard_env_setup_runs_total", "counter", "Runs of a task's forkyard/reset.sh.", "setup_runs"),
+    ("forkyard_env_setup_uncacheable_total", "counter",
+     "Setup cache keys whose reset.sh left processes running (never cached).", "setup_uncacheable"),
+]
+_SETUP_CACHE: _Table = [
+    ("forkyard_setup_cache_hits_total", "counter", "Resets restored from the setup cache.", "hits"),
+    ("forkyard_setup_cache_misses_total", "counter", "Resets that ran setup and filled the setup cache.", "misses"),
+    ("forkyard_setup_cache_evictions_total", "counter", "Setup cache entries evicted to stay under the cap.",
+     "evictions"),
+    ("forkyard_setup_cache_entries", "gauge", "Entries in the setup cache.", "entries"),
+    ("forkyard_setup_cache_bytes", "gauge", "Bytes the setup cache's snapshots hold.", "bytes"),
+]
+_POOL: _Table = [
+    ("forkyard_pool_hits_total", "counter", "Sandbox starts served from the warm pool.", "hits"),
+    ("forkyard_pool_misses_total", "counter", "Sandbox starts the warm pool had none idle for (cold).", "misses"),
+    ("forkyard_pool_fills_total", "counter", "Sandboxes the warm pool started.", "fills"),
+    ("forkyard_pool_fill_failures_total", "counter", "Warm pool fills that failed.", "fill_failures"),
+    ("forkyard_pool_breaker_trips_total", "counter", "Times a pool key stopped filling after failures.",
+     "breaker_trips"),
+    ("forkyard_pool_claim_seconds_total", "counter", "Seconds spent handing out pooled sandboxes (hits).",
+     "claim_seconds"),
+    ("forkyard_pool_fill_seconds_total", "counter", "Seconds the successful fills took.", "fill_seconds"),
+    ("forkyard_pool_idle", "gauge", "Sandboxes idle in the warm pool.", "idle"),
+    ("forkyard_pool_keys", "gauge", "Keys the warm pool tracks.", "keys"),
+]
+
+
+def _read(table: _Table, stats: Mapping[str, Any]) -> list[Metric]:
+    return [Metric(name, kind, help_text, stats.get(key, 0)) for name, kind, help_text, key in table]
+
+
 def runtime_metrics(runtime: Any) -> list[Metric]:
-    """Return the metrics of a worker runtime: env counters and setup cache stats (zeros without a cache).
+    """Return the metrics of a worker runtime: env counters, setup cache and warm pool stats (zeros without).
 
-    A distributed-mode gateway's runtime (its client of the nodes) has neither: its metrics are
-    zeros, and each node's load is in ``GET /v1/nodes``.
+    A distributed-mode gateway's runtime (its client of the nodes) has none of them: its
+    metrics are zeros, and each node's load is in ``GET /v1/nodes``.
     """
-    counters = getattr(runtime, "counters", None) or collections.Counter()
     cache = getattr(runtime, "setup_cache", None)
-    stats = cache.stats() if cache is not None else {}
-    return [
-        Metric("forkyard_env_resets_total", "counter", "Environment resets.", counters["resets"]),
-        Metric("forkyard_env_steps_total", "counter", "Environment steps executed (tool calls and truncations).",
-               counters["env_steps"]),
-        Metric("forkyard_env_setup_runs_total", "counter", "Runs of a task's forkyard/reset.sh.",
-               counters["setup_runs"]),
-        Metric("forkyard_env_setup_uncacheable_total", "counter",
-               "Setup cache keys whose reset.sh left processes running (never cached).",
-               counters["setup_uncacheable"]),
-        Metric("forkyard_setup_cache_hits_total", "counter", "Resets restored from the setup cache.",
-               stats.get("hits", 0)),
-        Metric("forkyard_setup_cache_misses_total", "counter", "Resets that ran setup and filled the setup cache.",
-               stats.get("misses", 0)),
-        Metric("forkyard_setup_cache_evictions_total", "counter", "Setup cache entries evicted to stay under the cap.",
-               stats.get("evictions", 0)),
-        Metric("forkyard_setup_cache_entries", "gauge", "Entries in the setup cache.", stats.get("entries", 0)),
-        Metric("forkyard_setup_cache_bytes", "gauge", "Bytes the setup cache's snapshots hold.",
-               stats.get("bytes", 0)),
-        *pool_metrics(runtime),
-    ]
-
-
-def pool_metrics(runtime: Any) -> list[Metric]:
-    """Return the warm pool's metrics (zeros when the node pools nothing)."""
     pool = getattr(runtime, "pool", None)
-    stats = pool.stats() if pool is not None else {}
     return [
-        Metric("forkyard_pool_hits_total", "counter", "Sandbox starts served from the warm pool.", stats.get("hits", 0)),
-        Metric("forkyard_pool_misses_total", "counter", "Sandbox starts the warm pool had none idle for (cold).",
-               stats.get("misses", 0)),
-        Metric("forkyard_pool_fills_total", "counter", "Sandboxes the warm pool started.", stats.get("fills", 0)),
-        Metric("forkyard_pool_fill_failures_total", "counter", "Warm pool fills that failed.",
-               stats.get("fill_failures", 0)),
-        Metric("forkyard_pool_breaker_trips_total", "counter", "Times a pool key stopped filling after failures.",
-               stats.get("breaker_trips", 0)),
-        Metric("forkyard_pool_claim_seconds_total", "counter", "Seconds spent handing out pooled sandboxes (hits).",
-               stats.get("claim_seconds", 0.0)),
-        Metric("forkyard_pool_fill_seconds_total", "counter", "Seconds the successful fills took.",
-               stats.get("fill_seconds", 0.0)),
-        Metric("forkyard_pool_idle", "gauge", "Sandboxes idle in the warm pool.", stats.get("idle", 0)),
-        Metric("forkyard_pool_keys", "gauge", "Keys the warm pool tracks.", stats.get("keys", 0)),
+        *_read(_ENV, getattr(runtime, "counters", None) or {}),
+        *_read(_SETUP_CACHE, cache.stats() if cache is not None else {}),
+        *_read(_POOL, pool.stats() if pool is not None else {}),
     ]
 
 
