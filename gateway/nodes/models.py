@@ -23,7 +23,7 @@ class Node(Base):
     load: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     """What it runs now, by stage: ``{"sessions": n, "episodes": n}``."""
     heartbeat_s: Mapped[float] = mapped_column(default=5.0)
-    """The interval it promised heartbeats at (down after 2.5 missed)."""
+    """The interval it promised heartbeats at (down after 2.5 missed, and at least 3 s)."""
     heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     draining: Mapped[bool] = mapped_column(default=False)

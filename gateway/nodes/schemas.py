@@ -13,7 +13,7 @@ class NodeRead(BaseModel):
 
     name: str
     state: Literal["up", "down", "draining"]
-    """``down``: no heartbeat for 2.5 of its intervals; ``draining``: takes no new work (and is up)."""
+    """``down``: no heartbeat for 2.5 of its intervals (at least 3 s); ``draining``: takes no new work (and is up)."""
     backend: str
     capacity: int
     load: dict[str, Any]

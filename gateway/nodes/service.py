@@ -2,8 +2,8 @@
 
 A node (a worker host; in the embedded mode, the gateway itself) writes a heartbeat every
 ``heartbeat_s`` seconds with its backend, capacity and load. It is ``down`` once
-:data:`MISSED_HEARTBEATS` of its intervals pass without one, ``draining`` while an operator
-has it take no new work (what runs finishes), else ``up``.
+:data:`MISSED_HEARTBEATS` of its intervals (and at least :data:`MIN_DOWN_S`) pass without one,
+``draining`` while an operator has it take no new work (what runs finishes), else ``up``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 #: Intervals without a heartbeat after which a node is down.
 MISSED_HEARTBEATS = 2.5
+#: Seconds without a heartbeat below which no node is down, whatever its interval: being found
+#: down fails the node's sessions, and a short interval would otherwise turn a loaded host's
+#: pause (a slow commit, a stalled loop) into lost work.
+MIN_DOWN_S = 3.0
 
 
 async def heartbeat(
@@ -53,7 +57,7 @@ async def heartbeat(
 
 def state_of(node: Node, now: datetime) -> str:
     """Return ``up``, ``down`` or ``draining`` for ``node`` at ``now``."""
-    if now - node.heartbeat_at > timedelta(seconds=node.heartbeat_s * MISSED_HEARTBEATS):
+    if now - node.heartbeat_at > timedelta(seconds=max(node.heartbeat_s * MISSED_HEARTBEATS, MIN_DOWN_S)):
         return "down"
     return "draining" if node.draining else "up"
 

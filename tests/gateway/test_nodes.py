@@ -42,9 +42,15 @@ async def test_heartbeats_carry_the_load_and_a_silent_node_is_down(tmp_path):
                         draining=False))
             db.add(Node(name="late-host", backend="local", capacity=4, load={}, heartbeat_s=5.0,
                         heartbeat_at=utcnow() - timedelta(seconds=11), started_at=utcnow(), draining=False))
+            # A short interval is no hair trigger: no node is down before 3 s without a heartbeat.
+            db.add(Node(name="paused-host", backend="local", capacity=4, load={}, heartbeat_s=0.2,
+                        heartbeat_at=utcnow() - timedelta(seconds=2), started_at=utcnow(), draining=False))
+            db.add(Node(name="quiet-host", backend="local", capacity=4, load={}, heartbeat_s=0.2,
+                        heartbeat_at=utcnow() - timedelta(seconds=4), started_at=utcnow(), draining=False))
             await db.commit()
         states = {n["name"]: n["state"] for n in (await client.get("/v1/nodes")).json()["items"]}
-        assert states == {NODE: "up", "gone-host": "down", "late-host": "up"}
+        assert states == {NODE: "up", "gone-host": "down", "late-host": "up", "paused-host": "up",
+                          "quiet-host": "down"}
 
 
 async def test_a_draining_node_opens_no_session_until_undrained(gateway):
