@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import collections
 import enum
 import posixpath
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -236,6 +237,10 @@ class SandboxBackend(Protocol):
     async def list(self) -> list[SandboxInfo]:
         """Return every sandbox this backend created on this node, live or orphaned."""
 
+    def made_after(self, mark: int) -> tuple[builtins.list[SandboxInfo], int]:
+        """Return the sandboxes this process made after ``mark`` (0: all it recalls), live or since
+        destroyed, as they were made, and the mark to pass next time (see :class:`SandboxLedger`)."""
+
     async def destroy(self, sandbox_id: str) -> None:
         """Stop and remove the sandbox; a second call (or an unknown id) is a no-op."""
 
@@ -303,6 +308,30 @@ def normalize_sandbox_path(path: str, workdir: str = "/") -> str:
         parts.append(part)
         depth += 1
     return "/" + "/".join(parts)
+
+
+class SandboxLedger:
+    """A bounded record of the sandboxes a backend made, whether they still live or not.
+
+    A node lists its live sandboxes once per heartbeat, so one made and destroyed between two
+    listings (a short episode, a failed setup) would never be seen; the ledger keeps the last
+    ``size`` made, numbered, and a listing also asks for those made after the previous one's mark.
+    """
+
+    def __init__(self, size: int = 10_000) -> None:
+        self._made: collections.deque[SandboxInfo] = collections.deque(maxlen=size)
+        self._count = 0
+
+    def add(self, info: SandboxInfo) -> SandboxInfo:
+        """Record ``info`` (just made) and return it."""
+        self._made.append(info)
+        self._count += 1
+        return info
+
+    def after(self, mark: int) -> tuple[builtins.list[SandboxInfo], int]:
+        """Return the sandboxes recorded after ``mark`` (as many as are still held), oldest first, and the new mark."""
+        n = min(max(self._count - mark, 0), len(self._made))
+        return builtins.list(self._made)[len(self._made) - n:], self._count
 
 
 async def create_cancel_safe(

@@ -66,6 +66,7 @@ from sandboxes.base import (
     ImageConfig,
     ImageInfo,
     SandboxInfo,
+    SandboxLedger,
     SandboxSpec,
     SandboxState,
     create_cancel_safe,
@@ -322,6 +323,7 @@ class DockerBackend:
         """
         self.node = node
         self.egress = egress or EgressPolicy()
+        self._ledger = SandboxLedger()
         self.base_url = base_url or os.environ.get("DOCKER_HOST") or DEFAULT_DOCKER_URL
         client = None
         try:
@@ -555,9 +557,12 @@ class DockerBackend:
 
     # -- contract ---------------------------------------------------------------------
 
+    def made_after(self, mark: int) -> tuple[list[SandboxInfo], int]:
+        return self._ledger.after(mark)
+
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         """Start a container from ``spec.image`` and return once its shell answers."""
-        return await create_cancel_safe(self._create(spec), self.destroy)
+        return self._ledger.add(await create_cancel_safe(self._create(spec), self.destroy))
 
     async def _create(self, spec: SandboxSpec) -> SandboxInfo:
         self._check_open()
@@ -925,13 +930,21 @@ class DockerBackend:
         logger.info("destroyed docker sandbox %s", attrs["Id"][:12])
 
     async def _remove(self, cid: str) -> None:
-        try:
-            await self._call("remove a container", self._api.remove_container, cid, force=True, v=True)
-        except docker.errors.NotFound:
-            pass
-        except SandboxError as exc:
-            if "already in progress" not in str(exc):
-                raise
+        for attempt in range(3):
+            try:
+                await self._call("remove a container", self._api.remove_container, cid, force=True, v=True)
+                return
+            except docker.errors.NotFound:
+                return
+            except SandboxError as exc:
+                if "already in progress" in str(exc):
+                    return
+                # The container exited on its own while the engine killed it ("Could not kill
+                # running container ..., cannot remove - Container ... is not running"): it is
+                # stopped now, and the next try removes it.
+                if "is not running" not in str(exc) or attempt == 2:
+                    raise
+            await asyncio.sleep(0.1)
 
     async def commit(self, sandbox_id: str, image: str, config: ImageConfig) -> None:
         """Freeze the container's filesystem into image ``image`` carrying ``config``."""

@@ -52,9 +52,10 @@ import stat
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from sandboxes import fs
 from sandboxes.base import (
@@ -65,6 +66,7 @@ from sandboxes.base import (
     ImageInfo,
     Resources,
     SandboxInfo,
+    SandboxLedger,
     SandboxSpec,
     SandboxState,
     create_cancel_safe,
@@ -417,9 +419,10 @@ class _ShellProcess:
         return process
 
     async def _connect(self) -> None:
-        self._stdin, _ = await self._loop.connect_write_pipe(asyncio.BaseProtocol, self._proc.stdin)
+        self._stdin, _ = await self._loop.connect_write_pipe(asyncio.BaseProtocol, _loop_pipe(self._loop, self._proc.stdin))
         for stream, pipe in ((STDOUT, self._proc.stdout), (STDERR, self._proc.stderr)):
-            transport, _ = await self._loop.connect_read_pipe(functools.partial(_Output, self, stream), pipe)
+            transport, _ = await self._loop.connect_read_pipe(
+                functools.partial(_Output, self, stream), _loop_pipe(self._loop, pipe))
             self._outputs.append(transport)
         try:
             self._pidfd = os.pidfd_open(self.pid)
@@ -471,6 +474,23 @@ class _ShellProcess:
             if transport is not None:
                 transport.close()
         self._proc.kill()  # Popen knows when it has reaped it and then sends nothing
+
+
+def _loop_pipe(loop: asyncio.AbstractEventLoop, pipe: IO[bytes] | None) -> IO[bytes]:
+    """Return the pipe to hand ``loop``'s ``connect_*_pipe``, which then owns its descriptor.
+
+    asyncio's loops close the file object they are given, once. uvloop's give libuv the file
+    object's descriptor, let libuv close it, then close the file object too: the same number
+    closed twice, the second time perhaps a descriptor another thread opened in between, such
+    as a new sandbox's root (MagicStack/uvloop#763). There libuv gets a duplicate, and a file
+    object that never closes it; the original is closed here.
+    """
+    assert pipe is not None
+    if type(loop).__module__.partition(".")[0] != "uvloop":
+        return pipe
+    fd = os.dup(pipe.fileno())
+    pipe.close()
+    return open(fd, "rb" if "r" in pipe.mode else "wb", buffering=0, closefd=False)  # noqa: SIM115 - libuv closes fd
 
 
 class _Output(asyncio.Protocol):
@@ -579,6 +599,7 @@ class LocalBackend:
         if problem is not None:
             raise BackendUnavailableError(problem[0].upper() + problem[1:] + ".")
         self.node = node
+        self._ledger = SandboxLedger()
         self.root_dir = Path(root_dir).absolute()
         _check_layer_path(str(self.root_dir))
         self.cgroup_root = Path(cgroup_root)
@@ -954,7 +975,7 @@ class LocalBackend:
         # cwd in the command that checks it is up: no extra round trip per branch.
         source = _Restore(layers=list(snapshot.layers), config=snapshot.config, cwd=snapshot.cwd)
         return await start_branches(
-            self, snapshot, n, create=lambda: create_cancel_safe(self._create(eff, source), self.destroy)
+            self, snapshot, n, create=lambda: self._recorded(create_cancel_safe(self._create(eff, source), self.destroy))
         )
 
     @contextlib.contextmanager
@@ -1065,7 +1086,13 @@ class LocalBackend:
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         """Mount an overlay of ``spec.image``, start its shell in new namespaces and a cgroup."""
-        return await create_cancel_safe(self._create(spec), self.destroy)
+        return self._ledger.add(await create_cancel_safe(self._create(spec), self.destroy))
+
+    async def _recorded(self, made: Awaitable[SandboxInfo]) -> SandboxInfo:
+        return self._ledger.add(await made)
+
+    def made_after(self, mark: int) -> tuple[list[SandboxInfo], int]:
+        return self._ledger.after(mark)
 
     async def _create(self, spec: SandboxSpec, source: _Restore | None = None) -> SandboxInfo:
         """Create a sandbox of ``spec``, or (``source``) one restored from a snapshot."""

@@ -279,6 +279,10 @@ async def test_status_and_list(backend):
     assert a.id not in {i.id for i in await backend.list()}
     with pytest.raises(SandboxNotFoundError):
         await backend.status(a.id)
+    # The ledger still has it, as made: a listing that missed it can ask for what was made since.
+    made, mark = backend.made_after(0)
+    assert [i.id for i in made[-2:]] == [a.id, b.id] and made[-2].labels["forkyard.owner"] == "owner-a"
+    assert backend.made_after(mark) == ([], mark)
 
 
 async def test_destroy_is_idempotent(backend):

@@ -332,3 +332,22 @@ async def test_destroy_during_a_command_ends_it(backend, base_image):
     assert result.exit_code != 0
     with pytest.raises(SandboxNotFoundError):
         await backend.status(info.id)
+
+
+async def test_a_container_that_exits_while_removed_is_removed_on_the_next_try(backend, base_image, engine, monkeypatch):
+    info = await backend.create(SandboxSpec(image=base_image))
+    real, calls = backend._api.remove_container, []
+
+    def remove_container(cid, **kwargs):
+        calls.append(cid)
+        if len(calls) == 1:  # what the engine answers when the container exits as it kills it
+            response = type("Response", (), {"status_code": 500, "reason": "Internal Server Error", "url": ""})()
+            raise docker.errors.APIError("500 Server Error", response=response, explanation=(
+                f"Could not kill running container {cid}, cannot remove - Container {cid} is not running"))
+        return real(cid, **kwargs)
+
+    monkeypatch.setattr(backend._api, "remove_container", remove_container)
+    await backend.destroy(info.id)
+    assert len(calls) == 2
+    with pytest.raises(docker.errors.NotFound):
+        engine.containers.get(info.id)

@@ -90,10 +90,13 @@ async def test_branches_start_from_the_snapshot_and_diverge(backend, snaps):
     )
     assert r.stdout == "/work/sub\n"
 
+    _, mark = backend.made_after(0)
     branches = await backend.restore(snap, 3)
     assert len({b.id for b in branches}) == 3 and info.id not in {
         b.id for b in branches
     }
+    # The backend's ledger holds the branches as it does what create made.
+    assert sorted(m.id for m in backend.made_after(mark)[0]) == sorted(b.id for b in branches)
     for i, branch in enumerate(branches):
         r = await backend.exec(
             branch.id,
