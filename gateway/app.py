@@ -173,6 +173,7 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None, distrib
                     sessionmaker, node=settings.node, backend=rt.backend_name, capacity=settings.stages.agent,
                     load=lambda: {"sessions": rt.session_count(), "episodes": dispatcher.running_episodes},
                     interval_s=settings.nodes.heartbeat_s, sandboxes=rt.list_sandboxes,
+                    made_after=rt.sandboxes_made_after,
                     demand=pool.set_demand if (pool := getattr(rt, "pool", None)) is not None else None,
                 )
                 await heartbeat.start()

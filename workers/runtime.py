@@ -416,6 +416,14 @@ class WorkerRuntime:
         self.pool.forget_gone({info.id for info in listed})
         return [self.pool.view(info) for info in listed]
 
+    def sandboxes_made_after(self, mark: int) -> tuple[list[SandboxInfo], int]:
+        """Return the sandboxes this node made after ``mark`` (0: all it recalls), live or gone, as made,
+        and the next mark (:class:`sandboxes.base.SandboxLedger`).
+
+        A listing misses those made and destroyed between two; the heartbeat records them from here.
+        """
+        return self.backend.made_after(mark)
+
     async def reap(self, keep_owner_ids: set[str] = frozenset()) -> list[str]:
         """Destroy this node's sandboxes that neither a live session here nor ``keep_owner_ids`` owns."""
         reaped = []

@@ -146,7 +146,7 @@ class NodeAgent:
         self._heartbeat = Heartbeat(
             self._sessionmaker, node=self.node, backend=self._runtime.backend_name, capacity=self.capacity,
             load=self._load, interval_s=settings.nodes.heartbeat_s, address=self.address,
-            sandboxes=self._runtime.list_sandboxes,
+            sandboxes=self._runtime.list_sandboxes, made_after=self._runtime.sandboxes_made_after,
             demand=self._runtime.pool.set_demand if self._runtime.pool is not None else None,
         )
         await self._heartbeat.start()

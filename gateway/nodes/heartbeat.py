@@ -34,13 +34,19 @@ class Heartbeat:
         interval_s: float,
         address: str | None = None,
         sandboxes: Callable[[], Awaitable[Sequence[Any]]] | None = None,
+        made_after: Callable[[int], tuple[Sequence[Any], int]] | None = None,
         demand: Callable[[Mapping[str, int]], None] | None = None,
     ) -> None:
-        """``demand``: called each beat with the episodes queued for this node by task name
+        """``made_after``: the sandboxes the node made after a mark, gone or not, and the next mark
+        (the backend's ledger); those made and destroyed between two listings get a row too, gone.
+        ``demand``: called each beat with the episodes queued for this node by task name
         (:func:`gateway.nodes.service.queued_demand`); the node's warm pool sizes from it."""
         self.address = address
         self._demand = demand
         self._sandboxes = sandboxes
+        self._made_after = made_after
+        self._made_mark = 0
+        """The ledger's mark at the last listing that was recorded."""
         self._sessionmaker = sessionmaker
         self.node = node
         self._backend = backend
@@ -92,9 +98,14 @@ class Heartbeat:
         """Write this node's sandbox rows from its live listing now; return how many changed."""
         assert self._sandboxes is not None
         listed_at = utcnow()
+        # The ledger's mark is read before the listing: what is made in between is read twice (no harm).
+        made, mark = self._made_after(self._made_mark) if self._made_after is not None else ((), 0)
         live = await self._sandboxes()
         async with self._sessionmaker() as db:
-            return await record_sandboxes(db_session=db, node=self.node, live=live, listed_at=listed_at)
+            changed = await record_sandboxes(db_session=db, node=self.node, live=live, made=made,
+                                             listed_at=listed_at)
+        self._made_mark = mark
+        return changed
 
     async def aclose(self) -> None:
         if self._task is not None:

@@ -69,7 +69,10 @@ def _owner(labels: Mapping[str, str]) -> dict[str, str | None]:
             "rollout_id": labels.get(LABEL_ROLLOUT)}
 
 
-async def record_sandboxes(*, db_session: AsyncSession, node: str, live: Sequence[SandboxView], listed_at: datetime) -> int:
+async def record_sandboxes(
+    *, db_session: AsyncSession, node: str, live: Sequence[SandboxView], listed_at: datetime,
+    made: Sequence[SandboxView] = (),
+) -> int:
     """Bring ``node``'s sandbox rows in line with its live sandboxes; return how many rows changed.
 
     Every live sandbox gets a row with its owner (:func:`workers.protocol.owner_kind`), and
@@ -77,13 +80,15 @@ async def record_sandboxes(*, db_session: AsyncSession, node: str, live: Sequenc
     claimed. A session's row is left to the sessions service, which writes it when the
     session opens. A row still open whose sandbox is no longer live is marked gone. That
     applies only to rows created before ``listed_at``, when ``live`` was listed, so a
-    sandbox made since is never marked gone by mistake.
+    sandbox made since is never marked gone by mistake. A sandbox of ``made`` (those the node
+    made since its last listing) that is not live any more and has no row gets one, already gone.
     """
     open_rows = {row.id: row for row in (await db_session.scalars(
         select(Sandbox).where(Sandbox.node == node, Sandbox.gone_at.is_(None)))).all()}
     live_by_id = {info.id: info for info in live}
-    recorded = set((await db_session.scalars(select(Sandbox.id).where(Sandbox.id.in_(list(live_by_id)))))
-                   .all()) if live_by_id else set()
+    gone = {info.id: info for info in made if info.id not in live_by_id}
+    asked = [*live_by_id, *gone]
+    recorded = set((await db_session.scalars(select(Sandbox.id).where(Sandbox.id.in_(asked)))).all()) if asked else set()
     changed = 0
     for info in live:
         owner = _owner(info.labels)
@@ -97,6 +102,12 @@ async def record_sandboxes(*, db_session: AsyncSession, node: str, live: Sequenc
             row.owner_kind, row.owner_id, row.rollout_id = owner["owner_kind"], owner["owner_id"], owner["rollout_id"]
             changed += 1
     now = utcnow()
+    for info in gone.values():
+        owner = _owner(info.labels)
+        if info.id not in recorded and owner["owner_kind"] != "session":
+            db_session.add(Sandbox(id=info.id, node=node, backend=info.backend, state=SandboxStatus.GONE,
+                                   created_at=datetime.fromtimestamp(info.created_at, UTC), gone_at=now, **owner))
+            changed += 1
     for row in open_rows.values():
         created = row.created_at if row.created_at.tzinfo else row.created_at.replace(tzinfo=UTC)
         if row.id not in live_by_id and created < listed_at:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import time
 
 import httpx
@@ -34,7 +36,7 @@ def wait_done(client, rollout_id, timeout_s=300):
     raise AssertionError(f"rollout {rollout_id} did not finish in {timeout_s}s")
 
 
-def test_oracle_rollout_streams_every_group_with_reward_one(client, task_ids):
+def test_oracle_rollout_streams_every_group_with_reward_one(client, task_ids, live_gateway):
     names = TASK_NAMES[:3]
     rollout = client.rollouts.create(
         tasks={"ids": [task_ids[n] for n in names]}, group_size=2, policy=ORACLE,
@@ -58,6 +60,17 @@ def test_oracle_rollout_streams_every_group_with_reward_one(client, task_ids):
     detail = client.episodes.get(episodes[0].id)
     assert [s.action["tool"] for s in detail.steps] == ["bash", "submit"]
     assert {"setup_s", "agent_s", "verify_s", "total_s"} <= set(detail.timings)
+    # Each episode's sandbox lived a second or two, less than a heartbeat (5 s), and still has its row.
+    rows: list = []
+    with contextlib.closing(sqlite3.connect(live_gateway.data_dir / "forkyard.db")) as db:
+        for _ in range(40):  # bounded: 20 s, the next heartbeat or two
+            rows = db.execute("SELECT owner_id, state, gone_at IS NOT NULL FROM sandbox "
+                              "WHERE owner_kind = 'episode' AND rollout_id = ?", (rollout.id,)).fetchall()
+            if len(rows) >= len(episodes) and all(gone for *_, gone in rows):
+                break
+            time.sleep(0.5)
+    assert {owner for owner, *_ in rows} == {e.id for e in episodes}
+    assert {(state, gone) for _, state, gone in rows} == {("gone", 1)}
 
 
 def test_pull_ack_and_redelivery(client, task_ids):

@@ -6,10 +6,13 @@ tests exercise the API logic; the real runtime and sandboxes are covered end to 
 
 from __future__ import annotations
 
+import atexit
 import collections
 import io
 import secrets
+import shutil
 import tarfile
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -63,6 +66,8 @@ class FakeRuntime:
         self.deleted_snapshots: list[str] = []
         self.counters: collections.Counter[str] = collections.Counter()
         self.setup_cache = None
+        self.made: list[SandboxInfo] = []
+        """Every sandbox made, as made (the backends' ledger)."""
 
     async def start(self, *, progress: Callable[[str], None] | None = None) -> None:
         if progress:
@@ -76,6 +81,7 @@ class FakeRuntime:
             id=sandbox_id, backend="fake", node=self.node, state=SandboxState.READY, image="fake/base:1",
             created_at=time.time(), labels={LABEL_NODE: self.node, LABEL_OWNER: owner, **(labels or {})},
         )
+        self.made.append(self.sandboxes[sandbox_id])
         return sandbox_id
 
     async def open_session(self, session_id: str, task: TerminalTask, *, labels: Mapping[str, str] | None = None,
@@ -91,10 +97,14 @@ class FakeRuntime:
             labels={LABEL_NODE: self.node, LABEL_OWNER: session_id, "forkyard.task": task.name, **(labels or {})},
         )
         self.sandboxes[sandbox_id] = info
+        self.made.append(info)
         self.sessions[session_id] = {"sandbox": sandbox_id, "task": task, "done": False, "solved": False,
                                      "env_version": env_version}
         self.counters["resets"] += 1
         return SessionOpened(session_id, info, task.instruction, [BASH_TOOL, SUBMIT_TOOL])
+
+    def sandboxes_made_after(self, mark: int) -> tuple[list[SandboxInfo], int]:
+        return self.made[mark:], len(self.made)
 
     def has_session(self, session_id: str) -> bool:
         return session_id in self.sessions
@@ -225,13 +235,37 @@ def write_task_dir(root: Path, name: str, files: Mapping[str, str] | None = None
 # --------------------------------------------------------------------------- app
 
 
+_MIGRATED: list[Path] = []
+"""A SQLite database migrated to head once per test process, copied for each gateway."""
+
+
+def _migrated_database() -> Path:
+    if not _MIGRATED:
+        from gateway.db import upgrade_database
+
+        path = Path(tempfile.mkdtemp(prefix="forkyard-test-db-")) / "forkyard.db"
+        upgrade_database(f"sqlite:///{path}")
+        atexit.register(shutil.rmtree, path.parent, True)
+        _MIGRATED.append(path)
+    return _MIGRATED[0]
+
+
 def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
-    """Return settings for a gateway on a fresh SQLite file in ``tmp_path``."""
+    """Return settings for a gateway on a fresh SQLite file in ``tmp_path``.
+
+    The file starts as a copy of one migrated to head (the gateway's own migration then finds
+    nothing to do): running the migrations for each of a few hundred tests cost about a minute.
+    tests/gateway/test_migrations.py runs them from empty.
+    """
     values: dict[str, Any] = {
         "data_dir": tmp_path / "data", "node": NODE, "bootstrap_api_key": API_KEY,
         "image_cache_dir": tmp_path / "images",
     }
     values.update(overrides)
+    data_dir = Path(values["data_dir"])
+    if values.get("database_url") is None and not (data_dir / "forkyard.db").exists():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_migrated_database(), data_dir / "forkyard.db")
     return Settings(**values)
 
 

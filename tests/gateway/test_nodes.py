@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 from datetime import timedelta
 
 from gateway.app import create_app
-from gateway.cli import _settings, _with_db
+from gateway.cli import _settings, _with_db, main
 from gateway.db import utcnow
 from gateway.nodes import recovery, service
 from gateway.nodes.models import Node
@@ -66,12 +65,14 @@ async def test_a_draining_node_opens_no_session_until_undrained(gateway):
     assert_error(await gateway.client.post("/v1/nodes/no-such-node/drain"), 404, "not_found")
 
 
-def test_cli_lists_and_drains_nodes(tmp_path):
+def test_cli_lists_and_drains_nodes(tmp_path, capsys):
     data = tmp_path / "data"
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "gateway.cli", *args, "--data-dir", str(data)],
-                              capture_output=True, text=True, timeout=120)
+        """Run the CLI in this process (the way the console script does), capturing what it prints."""
+        code = main([*args, "--data-dir", str(data)])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
 
     assert cli("nodes", "list").stdout == ""  # a fresh database knows no node
     missing = cli("nodes", "drain", "nowhere")

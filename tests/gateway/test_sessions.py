@@ -219,7 +219,7 @@ async def test_every_live_sandbox_gets_a_row_and_gone_ones_are_marked(gateway):
 
     sessionmaker = gateway.app.state.sessionmaker
     beat = Heartbeat(sessionmaker, node=gateway.runtime.node, backend="fake", capacity=1, load=dict, interval_s=60,
-                     sandboxes=gateway.runtime.list_sandboxes)
+                     sandboxes=gateway.runtime.list_sandboxes, made_after=gateway.runtime.sandboxes_made_after)
 
     async def rows() -> dict[str, Sandbox]:
         async with sessionmaker() as db:
@@ -244,3 +244,12 @@ async def test_every_live_sandbox_gets_a_row_and_gone_ones_are_marked(gateway):
     assert (found[pooled].owner_kind, found[pooled].owner_id) == ("episode", "ep_2")
     assert found[episode].gone_at is not None and found[episode].state == "gone"
     assert await beat.record_sandboxes() == 0, "nothing changed since"
+
+    # A sandbox made and destroyed between two listings (a short episode) still gets its row, gone.
+    brief = gateway.runtime.add_orphan("ep_3", labels={"forkyard.rollout": "ro_1"})
+    del gateway.runtime.sandboxes[brief]
+    assert await beat.record_sandboxes() == 1
+    found = await rows()
+    assert (found[brief].owner_kind, found[brief].owner_id, found[brief].state) == ("episode", "ep_3", "gone")
+    assert found[brief].gone_at is not None
+    assert await beat.record_sandboxes() == 0, "read again from the ledger, recorded once"
