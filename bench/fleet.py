@@ -8,7 +8,7 @@ started). Everything comes from the same run, on the local backend:
   ``--steps`` steps: through an embedded ``forkyard up`` (the sandbox in the gateway's
   process; on SQLite, its default, and on PostgreSQL, the fleet's database) vs. through a
   ``forkyard gateway`` to the ``forkyard worker`` that owns the
-  sandbox (one more hop, over the node's gRPC channel); and the same step over the
+  sandbox (one more hop, over the node channel); and the same step over the
   trainer's gRPC channel (``Sessions.Attach``) of each. The embedded gateway on PostgreSQL
   and the fleet run side by side and their sessions are stepped in turn; the hop is the
   median of the step-by-step differences;
@@ -171,7 +171,7 @@ def grpc_session_steps(http: httpx.Client, address: str, key: str, task_id: str,
 
 async def node_calls(address: str, calls: int) -> list[float]:
     """Time the bare node channel: ``session_count`` calls (no sandbox, no database) from this process."""
-    from gateway.fleet.sessions import NodeClient
+    from gateway.fleet.channel import NodeClient
 
     client = NodeClient("bench", address)
     times = []

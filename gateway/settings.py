@@ -195,10 +195,11 @@ class Settings(BaseSettings):
     """SQLAlchemy URL (sqlite:///... or postgresql://...); default: SQLite at ``data_dir/forkyard.db``."""
 
     grpc_port: int | None = Field(default=None, ge=0, le=65535)
-    """Port of the sessions' gRPC step channel (``FORKYARD_GRPC_PORT``; 0: any free port; None: off)."""
+    """Port of the sessions' gRPC step channel (``FORKYARD_GRPC_PORT``; 0: any free port; None: off).
+    On ``forkyard worker``, the port of its node channel, which the gateways call (None or 0: any free port)."""
 
     grpc_host: str = "127.0.0.1"
-    """Address the gRPC step channel listens on (``FORKYARD_GRPC_HOST``)."""
+    """Address the gRPC step channel (or, on ``forkyard worker``, the node channel) listens on (``FORKYARD_GRPC_HOST``)."""
 
     redis_url: str | None = None
     """``redis://host:port/db`` shared by the gateways of a fleet (``FORKYARD_REDIS_URL``): finished

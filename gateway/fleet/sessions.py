@@ -1,118 +1,38 @@
 """Sessions in the distributed mode: the gateways reach the node that owns a session's sandbox.
 
-A worker node serves ``forkyard.v1.Node/Call`` (gRPC, ``grpc.aio``) and writes its address
-with its heartbeat; a gateway keeps one persistent channel per node. :class:`FleetRuntime`
-stands where the embedded mode's ``WorkerRuntime`` stands for the sessions API: it places
-a new session on the up, undrained node with the fewest open sessions per slot, and routes
-every later call by the session's node (read once from the database, then cached), so a
-session opened through one gateway is stepped and closed through any other.
+A worker node serves the node channel (:mod:`gateway.fleet.channel`: protobuf frames over
+one TCP connection per gateway) and writes its address with its heartbeat; a gateway keeps
+one persistent connection per node. :class:`FleetRuntime` stands where the embedded mode's
+``WorkerRuntime`` stands for the sessions API: it places a new session on the up,
+undrained node with the fewest open sessions per slot, and routes every later call by the
+session's node (read once from the database, then cached), so a session opened through
+one gateway is stepped and closed through any other.
 
 Arguments and results are JSON; errors cross as the worker error's wire form
 (:meth:`workers.errors.WorkerError.to_wire`) and are raised again on the gateway by code.
 A session's snapshots stay on its node, and its forks start there. The node's side is
-:class:`gateway.fleet.worker.NodeServicer`.
+:class:`gateway.fleet.worker.NodeCalls`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import grpc
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from gateway.grpc.codegen import modules
+from gateway.fleet.channel import NodeClient, NodeUnreachable
 from gateway.nodes import service as nodes_service
 from gateway.nodes.models import Node
 from gateway.sessions.models import EnvSession, SessionState
 from gateway.sessions.service import LABEL_TASK_ID
-from workers.errors import (
-    SandboxBackendError,
-    SessionNotFoundError,
-    WorkerError,
-    from_wire,
-)
+from workers.errors import SandboxBackendError, SessionNotFoundError, WorkerError
 from workers.protocol import OpenedWire, SandboxWire, SnapshotWire, StepWire
 
 logger = logging.getLogger(__name__)
-
-pb2, pb2_grpc = modules()
-
-
-class NodeClient:
-    """One persistent gRPC stream to a worker node; concurrent calls are multiplexed over it by id."""
-
-    def __init__(self, node: str, address: str) -> None:
-        self.node = node
-        self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
-        self._open = self._channel.stream_stream(
-            "/forkyard.v1.Node/Calls", request_serializer=pb2.NodeRequest.SerializeToString,
-            response_deserializer=pb2.NodeReply.FromString)
-        self._requests: asyncio.Queue[Any] | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[Any]] = {}
-        self._ids = itertools.count(1)
-
-    def _connect(self) -> asyncio.Queue[Any]:
-        """Open the stream if it is not open (again, after the node went away)."""
-        if self._requests is not None and self._reader is not None and not self._reader.done():
-            return self._requests
-        requests: asyncio.Queue[Any] = asyncio.Queue()
-
-        async def outgoing() -> AsyncIterator[Any]:
-            while (request := await requests.get()) is not None:
-                yield request
-
-        call = self._open(outgoing())
-        self._requests = requests
-        self._reader = asyncio.create_task(self._read(call), name=f"node {self.node} replies")
-        return requests
-
-    async def _read(self, call: Any) -> None:
-        error: Exception | None = None
-        try:
-            async for reply in call:
-                future = self._pending.pop(reply.id, None)
-                if future is not None and not future.done():
-                    future.set_result(reply)
-        except grpc.aio.AioRpcError as exc:
-            error = SandboxBackendError(f"node {self.node} ({self.address}) did not answer: "
-                                        f"{exc.code().name} {exc.details()}")
-        finally:
-            error = error or SandboxBackendError(f"node {self.node} ({self.address}) closed its session channel")
-            for future in self._pending.values():
-                if not future.done():
-                    future.set_exception(error)
-            self._pending.clear()
-
-    async def call(self, method: str, **args: Any) -> Any:
-        """Call ``method`` on the node; raise the worker error it answered, or SandboxBackendError if unreachable."""
-        requests = self._connect()
-        call_id = next(self._ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._pending[call_id] = future
-        requests.put_nowait(pb2.NodeRequest(id=call_id, method=method, args_json=json.dumps(args)))
-        try:
-            reply = await future
-        finally:
-            self._pending.pop(call_id, None)
-        if reply.error_json:
-            raise from_wire(json.loads(reply.error_json))
-        return json.loads(reply.result_json) if reply.result_json else None
-
-    async def aclose(self) -> None:
-        if self._requests is not None:
-            self._requests.put_nowait(None)
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-        await self._channel.close()
 
 
 class FleetRuntime:
@@ -176,8 +96,9 @@ class FleetRuntime:
     async def _call(self, node: str, method: str, **args: Any) -> Any:
         try:
             return await (await self._client(node)).call(method, **args)
-        except SandboxBackendError:
-            # The node may have restarted on another port: read its address again, once.
+        except NodeUnreachable:
+            # The node may have restarted on another port: read its address again, once (the
+            # call was not sent; one that broke off after sending is not run twice).
             return await (await self._client(node, fresh=True)).call(method, **args)
 
     async def _session_call(self, session_id: str, method: str, **args: Any) -> Any:

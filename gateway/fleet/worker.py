@@ -24,17 +24,15 @@ import logging
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
-
-import grpc
 
 from gateway.db import check_database, create_engine, create_sessionmaker, new_id, redact_database_url
 from gateway.episodes import service as episodes_service
 from gateway.errors import NotFoundError
 from gateway.fleet import event_loop
+from gateway.fleet.channel import NodeServer, pb2
 from gateway.fleet.queues import CANCEL_CHANNEL, RUN_EPISODE, SHARED_QUEUE, celery_app, node_queue
-from gateway.fleet.sessions import pb2, pb2_grpc
 from gateway.nodes import service as nodes_service
 from gateway.nodes.heartbeat import Heartbeat
 from gateway.rollouts import service as rollouts_service
@@ -79,7 +77,7 @@ class NodeAgent:
         self._sessionmaker: Any = None
         self._heartbeat: Heartbeat | None = None
         self._bridge: RedisBridge | None = None
-        self._grpc: grpc.aio.Server | None = None
+        self._channel: NodeServer | None = None
         self.address = ""
         """``host:port`` of this node's session channel (the gateways call it)."""
 
@@ -134,11 +132,8 @@ class NodeAgent:
             interrupted = await episodes_service.requeue_interrupted(db_session=db, node=self.node)
         if interrupted:
             logger.warning("node %s: %d episode(s) a crash interrupted get new attempts", self.node, interrupted)
-        self._grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", settings.max_body_bytes),
-                                              ("grpc.max_send_message_length", settings.max_body_bytes)])
-        pb2_grpc.add_NodeServicer_to_server(NodeServicer(self._runtime, self._task), self._grpc)
-        port = self._grpc.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port or 0}")
-        await self._grpc.start()
+        self._channel = NodeServer(NodeCalls(self._runtime, self._task).reply, max_bytes=settings.max_body_bytes)
+        port = await self._channel.start(settings.grpc_host, settings.grpc_port or 0)
         host = socket.gethostname() if settings.grpc_host in ("0.0.0.0", "::") else settings.grpc_host
         self.address = f"{host}:{port}"
         stages = StageLimits.of(setup=settings.stages.setup, agent=self.capacity, verify=settings.stages.verify)
@@ -278,8 +273,8 @@ class NodeAgent:
         for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        if self._grpc is not None:
-            await self._grpc.stop(grace=2.0)
+        if self._channel is not None:
+            await self._channel.aclose()
         if self._heartbeat is not None:
             await self._heartbeat.aclose()
         for _, plan in self._plans.values():
@@ -332,44 +327,21 @@ def run_worker(settings: Settings, *, capacity: int, log_level: str = "INFO") ->
     return 0
 
 
-class NodeServicer(pb2_grpc.NodeServicer):  # type: ignore[misc,name-defined]
-    """A worker node's side: the calls of :class:`FleetRuntime`, on the node's runtime."""
+class NodeCalls:
+    """A worker node's side of the node channel: the calls of :class:`FleetRuntime`, on the node's runtime."""
+
+    CALLS = frozenset({"open_session", "step", "snapshot_session", "fork_session", "delete_snapshot",
+                       "close_session", "list_sandboxes", "session_count"})
 
     def __init__(self, runtime: Any, load_task: Any) -> None:
         self._runtime = runtime
         self._load_task = load_task
 
-    async def Calls(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # noqa: N802
-        """Answer a gateway's calls as they come, each in a task of its own (a long step holds up no other)."""
-        replies: asyncio.Queue[Any] = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
-
-        async def answer(request: Any) -> None:
-            replies.put_nowait(await self._reply(request))
-
-        async def receive() -> None:
-            try:
-                async for request in request_iterator:
-                    task = asyncio.create_task(answer(request))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                await asyncio.gather(*running, return_exceptions=True)
-            finally:
-                replies.put_nowait(None)
-
-        receiver = asyncio.create_task(receive())
-        try:
-            while (reply := await replies.get()) is not None:
-                yield reply
-        finally:
-            receiver.cancel()
-            for task in list(running):
-                task.cancel()
-
-    async def _reply(self, request: Any) -> Any:
+    async def reply(self, request: Any) -> Any:
+        """Answer one ``NodeRequest`` with its ``NodeReply`` (a worker error travels in it)."""
         try:
             args = json.loads(request.args_json or "{}")
-            handler = getattr(self, f"_{request.method}", None)
+            handler = getattr(self, f"_{request.method}") if request.method in self.CALLS else None
             if handler is None:
                 raise NotSupportedError(f"unknown node call {request.method!r}")
             return pb2.NodeReply(id=request.id, result_json=json.dumps(await handler(**args), default=str))

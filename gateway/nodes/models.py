@@ -28,4 +28,4 @@ class Node(Base):
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     draining: Mapped[bool] = mapped_column(default=False)
     address: Mapped[str | None] = mapped_column(String(255), default=None)
-    """``host:port`` of its gRPC channel for the sessions of its sandboxes (worker nodes; None embedded)."""
+    """``host:port`` of its node channel for the sessions of its sandboxes (worker nodes; None embedded)."""
