@@ -421,8 +421,13 @@ class WorkerRuntime:
         and the next mark (:class:`sandboxes.base.SandboxLedger`).
 
         A listing misses those made and destroyed between two; the heartbeat records them from here.
+        One claimed from the pool shows the labels of its claim, as in :meth:`list_sandboxes` (ask
+        before listing: a listing forgets the claims of sandboxes already gone).
         """
-        return self.backend.made_after(mark)
+        made, next_mark = self.backend.made_after(mark)
+        if self.pool is not None:
+            made = [self.pool.view(info) for info in made]
+        return made, next_mark
 
     async def reap(self, keep_owner_ids: set[str] = frozenset()) -> list[str]:
         """Destroy this node's sandboxes that neither a live session here nor ``keep_owner_ids`` owns."""

@@ -69,6 +69,14 @@ async def test_claims_after_demand_are_hits(build_backend, tmp_path: Path) -> No
         runtime = WorkerRuntime(backend, image_cache_dir=tmp_path, base_image=build_backend.base, pool=pool)
         owners = {info.id: info.labels.get(LABEL_OWNER) for info in await runtime.list_sandboxes()}
         assert owners[first.id] == "second" and owners[second.id] == "third"
+        # One claimed and destroyed between two listings is recorded with its claim's owner too.
+        await settle(pool, idle=4)  # 3 claims in the window: ceil(4.5), capped at max_idle
+        hits = pool.stats()["hits"]
+        brief = await pool.create(SandboxSpec(image=build_backend.base, labels={LABEL_OWNER: "brief"}))
+        assert pool.stats()["hits"] == hits + 1  # the pool made it, under the pool's owner label
+        await backend.destroy(brief.id)
+        made = {info.id: info.labels.get(LABEL_OWNER) for info in runtime.sandboxes_made_after(0)[0]}
+        assert made[brief.id] == "brief" and made[first.id] == "second"
         await settle(pool, idle=4)  # 3 claims in the window: ceil(4.5), capped at max_idle
         idle_now = {sid for sid, owner in (await _owners(runtime)).items() if owner == POOL_OWNER}
         assert len(idle_now) == 4
