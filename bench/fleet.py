@@ -169,11 +169,24 @@ def grpc_session_steps(http: httpx.Client, address: str, key: str, task_id: str,
     return paired_grpc_session_steps([(http, address, key, task_id)], steps)[0]
 
 
-async def node_calls(address: str, calls: int) -> list[float]:
-    """Time the bare node channel: ``session_count`` calls (no sandbox, no database) from this process."""
-    from gateway.fleet.channel import NodeClient
+async def node_calls(database_url: str, node: str, calls: int) -> list[float]:
+    """Time the bare node channel: ``session_count`` calls (no sandbox, no database) from this process.
 
-    client = NodeClient("bench", address)
+    The node's address and channel token are read from the database, as a gateway reads them.
+    """
+    from sqlalchemy import select
+
+    from gateway.db import create_engine
+    from gateway.fleet.channel import NodeClient
+    from gateway.nodes.models import Node
+
+    engine = create_engine(database_url)
+    try:
+        async with engine.connect() as db:
+            address, token = (await db.execute(select(Node.address, Node.channel_token).where(Node.name == node))).one()
+    finally:
+        await engine.dispose()
+    client = NodeClient("bench", address, token=token)
     times = []
     try:
         for _ in range(calls + 50):
@@ -286,10 +299,10 @@ def main() -> None:
                 pg_stack.close()  # nothing of it runs beside the fleet from here
                 from gateway.fleet import event_loop
 
-                address = node_address(http, "n1")
-                rows["node call, asyncio client"] = med_ms(asyncio.run(node_calls(address, 2000)))
+                node_address(http, "n1")  # its channel is up
+                rows["node call, asyncio client"] = med_ms(asyncio.run(node_calls(f.database_url, "n1", 2000)))
                 with asyncio.Runner(loop_factory=event_loop) as runner:
-                    rows["node call, uvloop client"] = med_ms(runner.run(node_calls(address, 2000)))
+                    rows["node call, uvloop client"] = med_ms(runner.run(node_calls(f.database_url, "n1", 2000)))
                 if not full:
                     print_rows(rows, args, None)
                     return

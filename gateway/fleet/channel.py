@@ -6,6 +6,13 @@ protobuf frames: four bytes of big-endian length, then a ``NodeRequest`` or ``No
 task of its own, so a long step holds up no other, and replies come back in the order they
 finish.
 
+A connection opens with a ``hello`` request (id 0) carrying the node's channel token, a
+secret the node makes at each start and writes with its address in the database, where
+only the gateways read it; the call frames follow at once, without waiting. A wrong or
+missing token is answered with an error reply of id 0, and the connection is closed. The
+token keeps a host that can reach the node's port but not the database from driving its
+sandboxes; it is no encryption (keep the channel on the fleet's private network).
+
 Why frames over TCP and not a gRPC stream: the channel is internal (a gateway and its
 nodes, one version of this code) and on the step's path, and grpc.aio hands every message
 between its own threads and the event loop. A bidirectional-stream round trip of a small
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import json
 import logging
@@ -55,8 +63,13 @@ def _keepalive(writer: asyncio.StreamWriter) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
+#: The method of a connection's first request, which carries the channel token.
+HELLO = "hello"
+
+
 class NodeUnreachable(SandboxBackendError):
-    """The node did not take the channel's connection: the call was not sent (a retry runs nothing twice)."""
+    """The node did not take the channel's connection, or refused its token: the call did not run (a retry
+    runs nothing twice)."""
 
 
 class FrameError(ConnectionError):
@@ -93,9 +106,10 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | No
 class NodeServer:
     """A node's end: answers each ``NodeRequest`` with ``handle``'s ``NodeReply``, calls of one connection at once."""
 
-    def __init__(self, handle: Callable[[Any], Awaitable[Any]], *, max_bytes: int) -> None:
+    def __init__(self, handle: Callable[[Any], Awaitable[Any]], *, max_bytes: int, token: str) -> None:
         self._handle = handle
         self._max_bytes = max_bytes
+        self._token = token.encode()
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
         self._running: set[asyncio.Task[None]] = set()
@@ -119,6 +133,8 @@ class NodeServer:
                     await writer.drain()
 
         try:
+            if not await self._hello(reader, writer):
+                return
             while (body := await read_frame(reader, self._max_bytes)) is not None:
                 task = asyncio.create_task(answer(pb2.NodeRequest.FromString(body)))
                 for tasks in (mine, self._running):
@@ -132,6 +148,27 @@ class NodeServer:
         finally:
             self._connections.discard(writer)
             writer.close()
+
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        """Read the connection's first frame; tell whether it is a ``hello`` with this node's token."""
+        body = await read_frame(reader, 4096)
+        if body is None:
+            return False
+        hello = pb2.NodeRequest.FromString(body)
+        try:
+            token = str(json.loads(hello.args_json or "{}").get("token", ""))
+        except (ValueError, AttributeError):
+            token = ""
+        if hello.method == HELLO and hmac.compare_digest(token.encode(), self._token):
+            return True
+        logger.warning("node channel: refused %s, which did not present this node's channel token",
+                       writer.get_extra_info("peername"))
+        refusal = SandboxBackendError("the node refused the channel: its channel token was not presented "
+                                      "(read it with the node's address from the database)")
+        writer.write(frame(pb2.NodeReply(id=0, error_json=json.dumps(refusal.to_wire()))))
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        return False
 
     async def aclose(self) -> None:
         """Stop listening, cancel the calls that run and close every connection."""
@@ -149,9 +186,10 @@ class NodeServer:
 class NodeClient:
     """A gateway's end: one persistent connection to a node; concurrent calls are multiplexed over it by id."""
 
-    def __init__(self, node: str, address: str, *, max_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, node: str, address: str, *, token: str, max_bytes: int = 64 * 1024 * 1024) -> None:
         self.node = node
         self.address = address
+        self.token = token
         host, _, port = address.rpartition(":")
         self._host, self._port = host.strip("[]"), int(port)
         self._max_bytes = max_bytes
@@ -180,6 +218,7 @@ class NodeClient:
                 raise NodeUnreachable(f"node {self.node} ({self.address}) did not answer: "
                                           f"{exc or type(exc).__name__}") from exc
             _keepalive(writer)
+            writer.write(frame(pb2.NodeRequest(id=0, method=HELLO, args_json=json.dumps({"token": self.token}))))
             self._writer = writer
             self._reader = asyncio.create_task(self._read(reader, writer), name=f"node {self.node} replies")
             return writer
@@ -189,6 +228,11 @@ class NodeClient:
         try:
             while (body := await read_frame(reader, self._max_bytes)) is not None:
                 reply = pb2.NodeReply.FromString(body)
+                if reply.id == 0:  # the node refused the hello, and closes the connection
+                    said = json.loads(reply.error_json or "{}").get("message", "")
+                    # Nothing of this connection ran: the caller may read the node's token again and retry.
+                    error = NodeUnreachable(f"node {self.node} ({self.address}) refused the channel: {said}")
+                    break
                 future = self._pending.pop(reply.id, None)
                 if future is not None and not future.done():
                     future.set_result(reply)

@@ -73,14 +73,15 @@ class FleetRuntime:
         if client is not None and not fresh:
             return client
         async with self._sessionmaker() as db:
-            address = await db.scalar(select(Node.address).where(Node.name == node))
-        if not address:
+            found = (await db.execute(select(Node.address, Node.channel_token).where(Node.name == node))).first()
+        address, token = found if found is not None else (None, None)
+        if not address or not token:
             raise SandboxBackendError(f"node {node} has no session channel (is it a `forkyard worker`?)")
-        if client is not None and client.address == address:
+        if client is not None and (client.address, client.token) == (address, token):
             return client
         if client is not None:
             await client.aclose()
-        self._clients[node] = client = NodeClient(node, address)
+        self._clients[node] = client = NodeClient(node, address, token=token)
         return client
 
     async def _node_of(self, session_id: str) -> str:
@@ -97,8 +98,8 @@ class FleetRuntime:
         try:
             return await (await self._client(node)).call(method, **args)
         except NodeUnreachable:
-            # The node may have restarted on another port: read its address again, once (the
-            # call was not sent; one that broke off after sending is not run twice).
+            # The node may have restarted, on another port or with a new token: read both again,
+            # once (the call did not run; one that broke off after sending is not run twice).
             return await (await self._client(node, fresh=True)).call(method, **args)
 
     async def _session_call(self, session_id: str, method: str, **args: Any) -> Any:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import socket
 import sys
 import threading
@@ -132,7 +133,9 @@ class NodeAgent:
             interrupted = await episodes_service.requeue_interrupted(db_session=db, node=self.node)
         if interrupted:
             logger.warning("node %s: %d episode(s) a crash interrupted get new attempts", self.node, interrupted)
-        self._channel = NodeServer(NodeCalls(self._runtime, self._task).reply, max_bytes=settings.max_body_bytes)
+        token = secrets.token_urlsafe(32)  # the gateways read it with the address; a restart makes a new one
+        self._channel = NodeServer(NodeCalls(self._runtime, self._task).reply, max_bytes=settings.max_body_bytes,
+                                   token=token)
         port = await self._channel.start(settings.grpc_host, settings.grpc_port or 0)
         host = socket.gethostname() if settings.grpc_host in ("0.0.0.0", "::") else settings.grpc_host
         self.address = f"{host}:{port}"
@@ -140,7 +143,7 @@ class NodeAgent:
         self._host = EpisodeHost(sessionmaker=self._sessionmaker, runtime=self._runtime, node=self.node, stages=stages)
         self._heartbeat = Heartbeat(
             self._sessionmaker, node=self.node, backend=self._runtime.backend_name, capacity=self.capacity,
-            load=self._load, interval_s=settings.nodes.heartbeat_s, address=self.address,
+            load=self._load, interval_s=settings.nodes.heartbeat_s, address=self.address, channel_token=token,
             sandboxes=self._runtime.list_sandboxes, made_after=self._runtime.sandboxes_made_after,
             demand=self._runtime.pool.set_demand if self._runtime.pool is not None else None,
         )

@@ -33,6 +33,7 @@ class Heartbeat:
         load: Callable[[], dict[str, Any]],
         interval_s: float,
         address: str | None = None,
+        channel_token: str | None = None,
         sandboxes: Callable[[], Awaitable[Sequence[Any]]] | None = None,
         made_after: Callable[[int], tuple[Sequence[Any], int]] | None = None,
         demand: Callable[[Mapping[str, int]], None] | None = None,
@@ -42,6 +43,7 @@ class Heartbeat:
         ``demand``: called each beat with the episodes queued for this node by task name
         (:func:`gateway.nodes.service.queued_demand`); the node's warm pool sizes from it."""
         self.address = address
+        self._channel_token = channel_token
         self._demand = demand
         self._sandboxes = sandboxes
         self._made_after = made_after
@@ -64,7 +66,7 @@ class Heartbeat:
         async with self._sessionmaker() as db:
             await service.heartbeat(db_session=db, name=self.node, backend=self._backend, capacity=self._capacity,
                                     load=self._load(), heartbeat_s=self.interval_s, started=started,
-                                    address=self.address)
+                                    address=self.address, channel_token=self._channel_token)
 
     async def _run(self) -> None:
         while True:

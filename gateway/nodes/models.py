@@ -29,3 +29,5 @@ class Node(Base):
     draining: Mapped[bool] = mapped_column(default=False)
     address: Mapped[str | None] = mapped_column(String(255), default=None)
     """``host:port`` of its node channel for the sessions of its sandboxes (worker nodes; None embedded)."""
+    channel_token: Mapped[str | None] = mapped_column(String(64), default=None)
+    """The secret a gateway presents first on that channel (a new one at each start; never shown by the API)."""

@@ -34,12 +34,12 @@ MIN_DOWN_S = 3.0
 
 async def heartbeat(
     *, db_session: AsyncSession, name: str, backend: str, capacity: int, load: dict[str, Any], heartbeat_s: float,
-    started: bool = False, address: str | None = None,
+    started: bool = False, address: str | None = None, channel_token: str | None = None,
 ) -> None:
     """Record that ``name`` is alive now (``started``: it has just started; its start time is reset)."""
     now = utcnow()
     values: dict[str, Any] = {"backend": backend, "capacity": capacity, "load": load, "heartbeat_s": heartbeat_s,
-                              "heartbeat_at": now, "address": address}
+                              "heartbeat_at": now, "address": address, "channel_token": channel_token}
     if started:
         values["started_at"] = now
     result = await db_session.execute(update(Node).where(Node.name == name).values(**values))

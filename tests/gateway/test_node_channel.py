@@ -1,4 +1,5 @@
-"""The node channel (gateway -> worker node): frames over one TCP connection, calls multiplexed by id.
+"""The node channel (gateway -> worker node): frames over one TCP connection, calls multiplexed by id,
+opened with the node's channel token.
 
 Real sockets on 127.0.0.1; the node's end is :class:`gateway.fleet.worker.NodeCalls` over a
 stand-in runtime (the whole path with real worker processes is in tests/e2e/test_fleet.py).
@@ -13,7 +14,7 @@ import struct
 
 import pytest
 
-from gateway.fleet.channel import FrameError, NodeClient, NodeServer, NodeUnreachable, frame, pb2, read_frame
+from gateway.fleet.channel import HELLO, FrameError, NodeClient, NodeServer, NodeUnreachable, frame, pb2, read_frame
 from gateway.fleet.worker import NodeCalls
 from workers.errors import NotSupportedError, SandboxBackendError, SessionNotFoundError
 from workers.protocol import StepWire
@@ -44,12 +45,15 @@ async def _no_task(task_id: str):
     raise AssertionError("no call here loads a task")
 
 
+TOKEN = "node-secret-0123456789"
+
+
 @pytest.fixture
 async def node():
     runtime = SlowRuntime()
-    server = NodeServer(NodeCalls(runtime, _no_task).reply, max_bytes=1 << 16)
+    server = NodeServer(NodeCalls(runtime, _no_task).reply, max_bytes=1 << 16, token=TOKEN)
     port = await server.start("127.0.0.1", 0)
-    client = NodeClient("n1", f"127.0.0.1:{port}", max_bytes=1 << 16)
+    client = NodeClient("n1", f"127.0.0.1:{port}", token=TOKEN, max_bytes=1 << 16)
     try:
         yield runtime, server, client, port
     finally:
@@ -109,7 +113,7 @@ async def test_the_client_reconnects_to_a_node_back_on_its_port(node):
     runtime, server, client, port = node
     assert await client.call("session_count") == 0
     await server.aclose()
-    again = NodeServer(NodeCalls(runtime, _no_task).reply, max_bytes=1 << 16)
+    again = NodeServer(NodeCalls(runtime, _no_task).reply, max_bytes=1 << 16, token=TOKEN)
     await again.start("127.0.0.1", port)
     try:
         for _ in range(50):  # the old connection's end is seen by the reader first
@@ -124,9 +128,37 @@ async def test_the_client_reconnects_to_a_node_back_on_its_port(node):
         await again.aclose()
 
 
+def _hello(token: str = TOKEN) -> bytes:
+    return frame(pb2.NodeRequest(id=0, method=HELLO, args_json=json.dumps({"token": token})))
+
+
+async def test_a_wrong_or_missing_token_is_refused_and_nothing_runs(node):
+    runtime, _, client, port = node
+    step = pb2.NodeRequest(id=1, method="step", args_json=json.dumps({"session_id": "s", "tool": "t", "arguments": {}}))
+    for opening in (_hello("guess"), frame(step), frame(pb2.NodeRequest(id=0, method=HELLO, args_json="[1]"))):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(opening + frame(step))
+        await writer.drain()
+        refusal = pb2.NodeReply.FromString(await asyncio.wait_for(read_frame(reader, 1 << 16), 10))
+        assert refusal.id == 0 and json.loads(refusal.error_json)["code"] == "sandbox_error"
+        assert "channel token was not presented" in json.loads(refusal.error_json)["message"]
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # and closed, answering nothing else
+        writer.close()
+    assert runtime.started == []  # no step ran
+    stranger = NodeClient("n1", f"127.0.0.1:{port}", token="stale-token-of-an-earlier-start")
+    try:
+        with pytest.raises(NodeUnreachable, match="refused the channel"):  # retried by FleetRuntime with a fresh token
+            await stranger.call("session_count")
+    finally:
+        await stranger.aclose()
+    assert await client.call("session_count") == 0  # the right token is served
+
+
 async def test_an_oversized_or_garbled_frame_drops_only_that_connection(node):
     _, _, client, port = node
-    for payload in (struct.pack(">I", (1 << 16) + 1) + b"x" * 16, struct.pack(">I", 4) + b"\xff\xff\xff\xff"):
+    too_big = struct.pack(">I", (1 << 16) + 1) + b"x" * 16
+    garbled = struct.pack(">I", 4) + b"\xff\xff\xff\xff"
+    for payload in (too_big, garbled, _hello() + too_big, _hello() + garbled, struct.pack(">I", 5000)):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(payload)
         await writer.drain()
@@ -160,9 +192,9 @@ async def test_both_ends_keep_the_connection_alive():
     async def reply(request):
         return pb2.NodeReply(id=request.id, result_json="1")
 
-    server = NodeServer(reply, max_bytes=1024)
+    server = NodeServer(reply, max_bytes=1024, token=TOKEN)
     port = await server.start("127.0.0.1", 0)
-    client = NodeClient("n1", f"127.0.0.1:{port}")
+    client = NodeClient("n1", f"127.0.0.1:{port}", token=TOKEN)
     try:
         assert await client.call("x") == 1
         sock = client._writer.get_extra_info("socket")  # type: ignore[union-attr]
