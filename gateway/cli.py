@@ -392,7 +392,7 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 def cmd_tasks_import(args: argparse.Namespace) -> int:
     """Validate tasks locally, upload them, print ``task_id  name`` per task.
 
-    A directory holds terminal task dirs (each uploaded as a tar.gz); a ``.jsonl`` file
+    A directory holds task dirs (terminal, or ``--environment web``; each uploaded as a tar.gz); a ``.jsonl`` file
     holds SWE instances (uploaded whole: the gateway imports all of them or none).
     """
     import httpx
@@ -401,7 +401,11 @@ def cmd_tasks_import(args: argparse.Namespace) -> int:
     from workers.envs.registry import get_family
     from workers.errors import TaskFormatError
 
-    family = get_family("terminal")  # a task directory is the terminal family's format
+    # A directory holds task dirs of the family --environment names (terminal unless it says).
+    try:
+        family = get_family(args.environment or "terminal")
+    except TaskFormatError as exc:
+        raise CLIError(str(exc), exit_code=2) from exc
 
     url = args.url or os.environ.get("FORKYARD_URL")
     key = args.api_key or os.environ.get("FORKYARD_API_KEY")
@@ -622,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp = tasks.add_parser("import", help="import task dirs (or dirs of task dirs) or SWE instances (a .jsonl file) "
                                           "into the gateway at FORKYARD_URL")
     imp.add_argument("dirs", nargs="+", metavar="PATH")
-    imp.add_argument("--environment", help="environment of the tasks (default terminal, swe for .jsonl files)")
+    imp.add_argument("--environment", help="environment family of the tasks (default terminal for task dirs, swe for .jsonl files; web)")
     imp.add_argument("--url", help="gateway URL (default $FORKYARD_URL)")
     imp.add_argument("--api-key", help="API key (default $FORKYARD_API_KEY)")
     imp.add_argument("--timeout", type=float, default=120.0, help="seconds per upload (default 120)")

@@ -28,6 +28,10 @@ DEFAULT_ENVIRONMENTS = (
         name="swe", family="swe", version="1",
         description="SWE-bench-style instances (JSONL) on repositories of the repository store, graded by their tests.",
     ),
+    EnvironmentCreate(
+        name="web", family="web", version="1",
+        description="Web tasks (a site served in the sandbox) in headless Chromium, driven by BrowserGym-style actions.",
+    ),
 )
 
 
@@ -52,7 +56,7 @@ async def create_environment(*, db_session: AsyncSession, spec: EnvironmentCreat
 
 
 async def ensure_default_environments(*, db_session: AsyncSession) -> None:
-    """Create the default environments (``terminal``, ``swe``) that are missing."""
+    """Create the default environments (``terminal``, ``swe``, ``web``) that are missing."""
     for spec in DEFAULT_ENVIRONMENTS:
         if await get_environment_by_name(db_session=db_session, name=spec.name) is None:
             try:

@@ -124,7 +124,7 @@ async def test_list_tasks_pages_with_opaque_cursors(gateway):
 
 async def test_environments_default_create_conflict_list(gateway):
     page = (await gateway.client.get("/v1/environments")).json()
-    assert [e["name"] for e in page["items"]] == ["terminal", "swe"] and page["next"] is None
+    assert [e["name"] for e in page["items"]] == ["terminal", "swe", "web"] and page["next"] is None
     assert page["items"][0]["family"] == "terminal"
     created = await gateway.client.post("/v1/environments", json={"name": "terminal-hard", "family": "terminal",
                                                                    "version": "2", "description": "harder"})

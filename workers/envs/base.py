@@ -176,7 +176,11 @@ class Environment(Protocol):
         """Tell whether the episode has ended."""
 
     async def reset(self) -> str:
-        """Start a sandbox ready for the task and return the instruction."""
+        """Start a sandbox ready for the task and return the first observation.
+
+        It starts with the task's instruction; a family whose start state matters to the
+        agent (a web page) adds it after.
+        """
 
     async def step(self, action: Action, *, budget_s: float | None = None) -> StepResult:
         """Apply one action, within ``budget_s`` seconds if given (the family bounds its tools to it).

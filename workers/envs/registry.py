@@ -32,6 +32,7 @@ ENTRY_POINT_GROUP = "forkyard.env_families"
 BUILTIN: dict[str, str] = {
     "terminal": "workers.envs.terminal:FAMILY",
     "swe": "workers.envs.swe:FAMILY",
+    "web": "workers.envs.web:FAMILY",
 }
 
 _loaded: dict[str, EnvFamily] = {}

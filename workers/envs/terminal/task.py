@@ -39,11 +39,11 @@ import os
 import re
 import tarfile
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from workers.archives import ArchiveLimits, iter_members, read_dir
 from workers.errors import TaskFormatError
@@ -203,11 +203,12 @@ def load_task_dir(path: str | os.PathLike[str]) -> TerminalTask:
     return load_task_files(name, files)
 
 
-def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
-    """Validate an in-memory task directory (relative posix path -> bytes).
+def clean_task_files(name: str, files: Mapping[str, bytes]) -> dict[str, bytes]:
+    """Return a task directory's files by normalized path, checking the name, the paths and the size.
 
     Raises:
-        TaskFormatError: the name, a path, the size or the contents are invalid.
+        TaskFormatError: the name or a path is invalid, a file is given twice or is also a
+            directory, or the task is too big.
     """
     validate_task_name(name)
     clean: dict[str, bytes] = {}
@@ -228,7 +229,16 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
             if parent in clean:
                 raise TaskFormatError(f"{parent}: is both a file and a directory", file=parent)
             parent = parent.rpartition("/")[0]
+    return clean
 
+
+def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
+    """Validate an in-memory task directory (relative posix path -> bytes).
+
+    Raises:
+        TaskFormatError: the name, a path, the size or the contents are invalid.
+    """
+    clean = clean_task_files(name, files)
     config = _parse_config(_text(clean, CONFIG_FILE))
     if "steps" in config:
         # Harbor runs each step with its own instruction and tests; graded by the top-level
@@ -468,7 +478,20 @@ def _size_mb(environment: Mapping[str, Any], key: str, default: int) -> int:
 # --------------------------------------------------------------------------- archives
 
 
-def task_to_tar(task: TerminalTask) -> bytes:
+class TaskDir(Protocol):
+    """A task held as its directory's files (every family that reads task dirs)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def files(self) -> Mapping[str, bytes]: ...
+
+
+T = TypeVar("T")
+
+
+def task_to_tar(task: TaskDir) -> bytes:
     """Return a deterministic tar.gz holding the task as one top-level folder ``<name>/``.
 
     Entries are sorted, with a fixed mtime, uid/gid 0 and no user names; ``.sh``
@@ -500,6 +523,11 @@ def task_to_tar(task: TerminalTask) -> bytes:
 
 
 def tasks_from_tar(data: bytes) -> list[TerminalTask]:
+    """Read the terminal task dirs of a tar archive (see :func:`task_dirs_from_tar`)."""
+    return task_dirs_from_tar(data, load_task_files)
+
+
+def task_dirs_from_tar(data: bytes, load: Callable[[str, Mapping[str, bytes]], T]) -> list[T]:
     """Read the task dirs of a tar archive (plain, gzip, bzip2 or xz).
 
     The archive holds either one task (``task.toml`` at its top, or in its single
@@ -507,6 +535,8 @@ def tasks_from_tar(data: bytes) -> list[TerminalTask]:
     ``task.toml``); a single wrapping folder around several tasks is looked through.
     A task at the very top takes its name from ``[task] name`` (Harbor's schema 1.1:
     ``org/name``, of which the name part) or ``[metadata] name``.
+
+    ``load`` validates each task's files (another family's task dirs pass their own).
 
     Raises:
         TaskFormatError: the archive is unreadable, too big, holds links, absolute
@@ -520,21 +550,21 @@ def tasks_from_tar(data: bytes) -> list[TerminalTask]:
     while True:
         here = {p[len(prefix) :] for p in files if p.startswith(prefix)}
         if CONFIG_FILE in here or INSTRUCTION_FILE in here:
-            return [_single_top_task(files, prefix)]
+            return [_single_top_task(files, prefix, load)]
         tops = {p.split("/", 1)[0] for p in here}
         if len(tops) == 1 and all("/" in p for p in here):
             top = tops.pop()
             if f"{top}/{CONFIG_FILE}" in here or f"{top}/{INSTRUCTION_FILE}" in here:
-                return [_folder_task(files, prefix, top)]
+                return [_folder_task(files, prefix, top, load)]
             prefix += top + "/"
             continue
         break
-    tasks: list[TerminalTask] = []
+    tasks: list[T] = []
     for top in sorted(tops):
         has_config = f"{top}/{CONFIG_FILE}" in here
         has_instruction = f"{top}/{INSTRUCTION_FILE}" in here
         if has_config or has_instruction:
-            tasks.append(_folder_task(files, prefix, top))
+            tasks.append(_folder_task(files, prefix, top, load))
         else:
             logger.info("archive: ignoring %r, which is not a task directory (no %s)", prefix + top, CONFIG_FILE)
     if not tasks:
@@ -545,11 +575,11 @@ def tasks_from_tar(data: bytes) -> list[TerminalTask]:
     return tasks
 
 
-def _folder_task(files: Mapping[str, bytes], prefix: str, top: str) -> TerminalTask:
+def _folder_task(files: Mapping[str, bytes], prefix: str, top: str, load: Callable[[str, Mapping[str, bytes]], T]) -> T:
     base = f"{prefix}{top}/"
     members = {p[len(base) :]: d for p, d in files.items() if p.startswith(base)}
     try:
-        return load_task_files(top, members)
+        return load(top, members)
     except TaskFormatError as exc:
         if exc.field == "name":
             raise
@@ -558,7 +588,7 @@ def _folder_task(files: Mapping[str, bytes], prefix: str, top: str) -> TerminalT
         ) from exc
 
 
-def _single_top_task(files: Mapping[str, bytes], prefix: str) -> TerminalTask:
+def _single_top_task(files: Mapping[str, bytes], prefix: str, load: Callable[[str, Mapping[str, bytes]], T]) -> T:
     members = {p[len(prefix) :]: d for p, d in files.items() if p.startswith(prefix)}
     name: object = None
     if CONFIG_FILE in members:
@@ -576,7 +606,7 @@ def _single_top_task(files: Mapping[str, bytes], prefix: str) -> TerminalTask:
             file=CONFIG_FILE,
             field="metadata.name",
         )
-    return load_task_files(validate_task_name(name), members)
+    return load(validate_task_name(name), members)
 
 
 def _read_archive(data: bytes) -> dict[str, bytes]:
@@ -617,10 +647,13 @@ def _read_archive(data: bytes) -> dict[str, bytes]:
 
 __all__ = [
     "MAX_TASK_BYTES",
+    "TaskDir",
     "TerminalTask",
+    "clean_task_files",
     "content_hash",
     "load_task_dir",
     "load_task_files",
+    "task_dirs_from_tar",
     "task_to_tar",
     "tasks_from_tar",
     "validate_task_name",
