@@ -200,7 +200,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_images_build(args: argparse.Namespace) -> int:
-    """Build an image (only ``base``) and import it into the chosen backend(s)."""
+    """Build an image (``base``, or ``web`` on top of it) and import it into the chosen backend(s)."""
     from gateway.logs import configure_logging
 
     configure_logging("WARNING")
@@ -209,7 +209,7 @@ def cmd_images_build(args: argparse.Namespace) -> int:
         overrides["backend"] = args.backend
     settings = _settings(**overrides)
     kinds = ["local", "docker"] if args.backend == "all" else [settings.backend]
-    return asyncio.run(_build_base(settings, kinds))
+    return asyncio.run(_build_base(settings, kinds, web=args.name == "web"))
 
 
 def _cli_backend(settings: Settings, kind: str) -> Any:
@@ -225,9 +225,10 @@ def _cli_backend(settings: Settings, kind: str) -> Any:
         raise CLIError(f"backend {kind!r} is not usable here: {exc}") from exc
 
 
-async def _build_base(settings: Settings, kinds: Sequence[str]) -> int:
+async def _build_base(settings: Settings, kinds: Sequence[str], *, web: bool = False) -> int:
     from sandboxes.errors import SandboxError
     from sandboxes.images import ensure_base_image
+    from workers.errors import ImageBuildError
 
     def progress(line: str) -> None:
         _stderr(f"  {line}")
@@ -238,8 +239,15 @@ async def _build_base(settings: Settings, kinds: Sequence[str]) -> int:
             _stderr(f"forkyard: ensuring the base image for the {backend.name} backend "
                     f"(cache {settings.image_cache_dir})")
             ref = await ensure_base_image(backend, settings.image_cache_dir, progress=progress)
-        except SandboxError as exc:
-            raise CLIError(f"building the base image for {backend.name} failed: {exc}") from exc
+            if web:
+                from workers.envs.web.image import web_image
+                from workers.trust import read_ca_bundle
+
+                _stderr(f"forkyard: ensuring the web image for the {backend.name} backend")
+                ref = await web_image(backend, base_image=ref, ca_bundle=read_ca_bundle(settings.ca_bundle),
+                                      progress=progress)
+        except (SandboxError, ImageBuildError) as exc:
+            raise CLIError(f"building the {'web' if web else 'base'} image for {backend.name} failed: {exc}") from exc
         finally:
             await backend.aclose()
         print(f"{backend.name}  {ref}", flush=True)
@@ -583,7 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     images = sub.add_parser("images", help="build or prune sandbox images").add_subparsers(
         dest="images_command", required=True, metavar="COMMAND")
     build = images.add_parser("build", help="build an image and import it into the backend(s)")
-    build.add_argument("name", choices=["base"], help="the image to build (only 'base' for now)")
+    build.add_argument("name", choices=["base", "web"],
+                       help="the image to build: base (Debian 12), or web (the base plus Chromium and Playwright)")
     build.add_argument("--backend", choices=["auto", "docker", "local", "all"], default="auto",
                        help="backend(s) to import it into (default auto)")
     build.add_argument("--data-dir", type=Path, help="data dir (the local backend keeps its images there)")
