@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI
 
+from gateway.artifacts.router import router as artifacts_router
 from gateway.auth import service as auth_service
 from gateway.auth.dependencies import require_api_key
 from gateway.db import (
@@ -242,7 +243,7 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None, distrib
     app.include_router(metrics_router)  # open like /healthz: scrapers carry no API key
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
     for router in (environments_router, tasks_router, sessions_router, sandboxes_router, rollouts_router,
-                   episodes_router, policies_router, snapshots_router, nodes_router):
+                   episodes_router, policies_router, snapshots_router, nodes_router, artifacts_router):
         v1.include_router(router)
     app.include_router(v1)
     declare_error_responses(app)

@@ -1,5 +1,6 @@
 """Every gateway table, imported in one place so ``Base.metadata`` is complete (Alembic uses it)."""
 
+from gateway.artifacts.models import Artifact
 from gateway.auth.models import ApiKey
 from gateway.db import Base
 from gateway.environments.models import Environment
@@ -18,7 +19,7 @@ from gateway.snapshots.models import SnapshotRecord
 from gateway.tasks.models import Task
 
 __all__ = [
-    "ApiKey", "Base", "DeliveryConsumer", "DeliveryLease", "EnvSession", "Environment", "Episode",
+    "ApiKey", "Artifact", "Base", "DeliveryConsumer", "DeliveryLease", "EnvSession", "Environment", "Episode",
     "EpisodeGroup", "EpisodeStep", "Node", "Policy", "Rollout", "Sandbox", "SessionState", "SessionStep",
     "SnapshotRecord", "Task",
 ]

@@ -45,7 +45,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +93,18 @@ class PoolPolicy:
 
 
 @dataclass(frozen=True)
+class Warmup:
+    """Work a family does on a fresh pooled sandbox before a claim takes it (a web sandbox's browser started).
+
+    A claim that misses gets a cold sandbox without it: the family checks, and warms it itself.
+    """
+
+    name: str
+    """Part of the pool key: sandboxes warmed differently (or not) never stand in for each other."""
+    run: Callable[[SandboxBackend, SandboxInfo], Awaitable[None]]
+
+
+@dataclass(frozen=True)
 class PoolKey:
     """What a pooled sandbox must match to stand in for a cold one."""
 
@@ -124,6 +136,7 @@ class _Pool:
     spec: SandboxSpec
     """The spec a fill creates or restores with (the pool's labels)."""
     snapshot: Snapshot | None
+    warmup: Warmup | None = None
     idle: collections.deque[SandboxInfo] = field(default_factory=collections.deque)
     claims: collections.deque[float] = field(default_factory=collections.deque)
     filling: int = 0
@@ -177,12 +190,17 @@ class WarmPool:
 
     # ------------------------------------------------------------------ claiming
 
-    async def create(self, spec: SandboxSpec) -> SandboxInfo:
-        """Return a started sandbox for ``spec``: a pooled one if the key has one idle, else a cold one."""
+    async def create(self, spec: SandboxSpec, *, warmup: Warmup | None = None) -> SandboxInfo:
+        """Return a started sandbox for ``spec``: a pooled one if the key has one idle, else a cold one.
+
+        With ``warmup``, the key's fills run it on each sandbox before it waits idle; a cold
+        sandbox (a miss) comes without it.
+        """
         if not self.enabled or spec.network_of is not None:
             return await self.backend.create(spec)
-        key = PoolKey(self.backend.name, f"image:{await self.backend.image_digest(spec.image)}", spec_shape(spec))
-        return await self._claim(key, spec, None)
+        shape = spec_shape(spec) if warmup is None else f"{spec_shape(spec)}|warmup:{warmup.name}"
+        key = PoolKey(self.backend.name, f"image:{await self.backend.image_digest(spec.image)}", shape)
+        return await self._claim(key, spec, None, warmup)
 
     async def restore(self, snapshot: Snapshot, spec: SandboxSpec) -> SandboxInfo:
         """Return a sandbox restored from ``snapshot`` for ``spec``: pooled if the key has one idle, else cold."""
@@ -192,12 +210,13 @@ class WarmPool:
         key = PoolKey(self.backend.name, f"snapshot:{snapshot.id}", spec_shape(spec))
         return await self._claim(key, spec, snapshot)
 
-    async def _claim(self, key: PoolKey, spec: SandboxSpec, snapshot: Snapshot | None) -> SandboxInfo:
+    async def _claim(self, key: PoolKey, spec: SandboxSpec, snapshot: Snapshot | None,
+                     warmup: Warmup | None = None) -> SandboxInfo:
         started = time.perf_counter()
         pool = self._pools.get(key.id)
         if pool is None:
             pool_spec = dataclasses.replace(spec, labels={LABEL_OWNER: POOL_OWNER, LABEL_POOL: key.id[:16]})
-            pool = self._pools[key.id] = _Pool(key=key, spec=pool_spec, snapshot=snapshot)
+            pool = self._pools[key.id] = _Pool(key=key, spec=pool_spec, snapshot=snapshot, warmup=warmup)
         pool.claims.append(self._clock())
         task = spec.labels.get(LABEL_TASK)
         if task and len(pool.tasks) < MAX_TASKS_PER_KEY:
@@ -343,6 +362,8 @@ class WarmPool:
             result = await self.backend.exec(info.id, "true", timeout_s=SHELL_START_TIMEOUT_S)
             if result.exit_code != 0:
                 raise SandboxError(f"the shell of pooled sandbox {info.id} did not start: {result.stderr.strip()}")
+            if pool.warmup is not None:
+                await pool.warmup.run(self.backend, info)
         except asyncio.CancelledError:
             if info is not None:
                 await asyncio.shield(self._discard(info))
@@ -404,4 +425,4 @@ def is_pooled(info: SandboxInfo) -> bool:
     return info.labels.get(LABEL_OWNER) == POOL_OWNER and LABEL_POOL in info.labels
 
 
-__all__ = ["LABEL_POOL", "POOL_OWNER", "PoolKey", "PoolPolicy", "WarmPool", "is_pooled", "spec_shape"]
+__all__ = ["LABEL_POOL", "POOL_OWNER", "PoolKey", "PoolPolicy", "WarmPool", "Warmup", "is_pooled", "spec_shape"]

@@ -269,9 +269,11 @@ class StepRecord(BaseModel):
     reward: float | None
     timings: dict[str, float]
     server: str
+    artifacts: dict[str, bytes] = Field(default_factory=dict, exclude=True)
+    """Files the env made at this step (a screenshot); the reporter stores them apart and records links."""
 
     def as_dict(self) -> dict[str, Any]:
-        """Return the record as plain data (floats as they are: a logprob may be -inf)."""
+        """Return the record as plain data (floats as they are: a logprob may be -inf), without artifact bytes."""
         return self.model_dump()
 
 
@@ -289,6 +291,8 @@ class EpisodeResult(BaseModel):
     timings: dict[str, float]
     weight_versions: list[int]
     info: dict[str, Any] = Field(default_factory=dict)
+    artifacts: dict[str, bytes] = Field(default_factory=dict, exclude=True)
+    """Files of the episode's last state (the final page's screenshot); stored apart, linked from ``info``."""
 
 
 class PolicyState(BaseModel):
@@ -379,6 +383,9 @@ class StepView(Protocol):
     def truncated(self) -> bool: ...
     @property
     def info(self) -> Mapping[str, Any]: ...
+    @property
+    def artifacts(self) -> Mapping[str, bytes]:
+        """Files the step made (a screenshot), by name: the gateway stores them and links them in ``info``."""
 
 
 class OpenedView(Protocol):
@@ -436,20 +443,33 @@ class SandboxWire(BaseModel):
 
 
 class StepWire(BaseModel):
-    """One step's outcome as it crosses the wire (the fields of ``StepResult``)."""
+    """One step's outcome as it crosses the wire (the fields of ``StepResult``).
 
-    model_config = ConfigDict(frozen=True)
+    ``artifacts`` travel as url-safe base64 text in JSON (:func:`wire_json_default` writes them).
+    """
+
+    model_config = ConfigDict(frozen=True, ser_json_bytes="base64", val_json_bytes="base64")
 
     observation: str
     reward: float | None
     terminated: bool
     truncated: bool
     info: dict[str, Any] = Field(default_factory=dict)
+    artifacts: dict[str, bytes] = Field(default_factory=dict)
 
     @classmethod
     def of(cls, result: StepView) -> StepWire:
         return cls(observation=result.observation, reward=result.reward, terminated=result.terminated,
-                   truncated=result.truncated, info=dict(result.info))
+                   truncated=result.truncated, info=dict(result.info), artifacts=dict(result.artifacts))
+
+
+def wire_json_default(value: Any) -> Any:
+    """``json.dumps`` default for wire data: bytes as url-safe base64 (what :class:`StepWire` reads), else str."""
+    if isinstance(value, bytes):
+        import base64
+
+        return base64.urlsafe_b64encode(value).decode("ascii")
+    return str(value)
 
 
 class OpenedWire(BaseModel):

@@ -293,7 +293,7 @@ async def _drive(
     extra: dict[str, Any] = {} if forked_at is None else {"forked_at": forked_at}
 
     def result(status: str, termination: str, *, reward: float | None = None, error: str | None = None,
-               info: dict[str, Any] | None = None) -> EpisodeResult:
+               info: dict[str, Any] | None = None, artifacts: Mapping[str, bytes] | None = None) -> EpisodeResult:
         timings["total_s"] = time.monotonic() - started
         return EpisodeResult(
             status=status,
@@ -305,6 +305,7 @@ async def _drive(
             timings=dict(timings),
             weight_versions=list(state.versions),
             info={"token_exact": state.token_exact, **extra, **(info or {})},
+            artifacts=dict(artifacts or {}),
         )
 
     try:
@@ -326,7 +327,7 @@ async def _drive(
         info = {k: v for k, v in final.info.items() if k not in _STEP_ONLY_INFO}
         if isinstance(final.info.get("verifier"), dict):  # why a reward is what it is, without a rerun
             info["verifier"] = verifier_summary(final.info["verifier"])
-        return result(status, outcome.termination, reward=final.reward, info=info)
+        return result(status, outcome.termination, reward=final.reward, info=info, artifacts=final.artifacts)
     except _Stale as exc:
         return result("stale", "stale", error=str(exc))
     except PolicyError as exc:
@@ -541,6 +542,7 @@ async def _agent_loop(
             reward=step_result.reward if step_result is not None else None,
             timings={"policy_s": policy_s, "env_s": env_s},
             server=gen.server,
+            artifacts=dict(step_result.artifacts) if step_result is not None else {},
         )
         state.steps.append(step)
         if on_step is not None:

@@ -104,4 +104,6 @@ class EpisodeStep(Base):
     reward: Mapped[float | None] = mapped_column(default=None)
     timings: Mapped[dict[str, Any]] = mapped_column(default=dict)
     server: Mapped[str | None] = mapped_column(String(500), default=None)
+    artifacts: Mapped[list[Any] | None] = mapped_column(JSON, default=None)
+    """Links to the files the step made (a screenshot), stored apart (:mod:`gateway.artifacts`)."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -56,7 +56,7 @@ async def get_episode(episode_id: str, db_session: DbSession, tokens: bool = Fal
             StepRead(episode_id=s.episode_id, index=s.index, parent_index=s.parent_index, text=s.text, action=s.action,
                      parse_error=s.parse_error, observation=s.observation, reward=s.reward,
                      finish_reason=s.finish_reason, weight_version=s.weight_version, timings=dict(s.timings or {}),
-                     server=s.server, num_prompt_tokens=len(s.prompt_ids or []),
+                     server=s.server, artifacts=list(s.artifacts or []), num_prompt_tokens=len(s.prompt_ids or []),
                      num_completion_tokens=len(s.completion_ids or []),
                      **({"prompt_ids": s.prompt_ids, "completion_ids": s.completion_ids, "logprobs": s.logprobs}
                         if tokens else {}))

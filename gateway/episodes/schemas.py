@@ -68,6 +68,9 @@ class StepRead(BaseModel):
     weight_version: int | None
     timings: dict[str, Any]
     server: str | None
+    artifacts: list[dict[str, Any]] = []
+    """Files the step made (a screenshot): ``{"name", "id", "url", "media_type", "bytes"}``, served by
+    ``GET /v1/artifacts/{id}``; never part of the observation or the tokens."""
     num_prompt_tokens: int
     num_completion_tokens: int
     prompt_ids: list[int] | None = None

@@ -51,7 +51,8 @@ MAX_ERROR_CHARS = 4000
 INTERRUPTED_ERROR = "interrupted by a gateway restart"
 #: The StepRecord fields :func:`record_step` stores.
 STEP_FIELDS = ("index", "parent_index", "prompt_ids", "completion_ids", "logprobs", "weight_version",
-               "finish_reason", "text", "action", "parse_error", "observation", "reward", "timings", "server")
+               "finish_reason", "text", "action", "parse_error", "observation", "reward", "timings", "server",
+               "artifacts")
 
 
 def _error_text(error: BaseException | str | None) -> str | None:
@@ -525,6 +526,7 @@ def _step_values(step: Any) -> dict[str, Any]:
         timings=dict(values["timings"] or {}),
         reward=_finite(values["reward"]),
         parse_error=_error_text(values["parse_error"]),
+        artifacts=list(values["artifacts"]) if values["artifacts"] else None,
     )
     return values
 

@@ -42,7 +42,7 @@ from gateway.rollouts.hosting import EpisodeHost
 from gateway.rollouts.models import RolloutStatus
 from gateway.sessions import service as sessions_service
 from workers.errors import NotSupportedError, WorkerError
-from workers.protocol import EpisodeStatus, OpenedWire, SandboxWire, StepWire
+from workers.protocol import EpisodeStatus, OpenedWire, SandboxWire, StepWire, wire_json_default
 from workers.runner import StageLimits
 from workers.runtime import worker_error
 
@@ -347,7 +347,8 @@ class NodeCalls:
             handler = getattr(self, f"_{request.method}") if request.method in self.CALLS else None
             if handler is None:
                 raise NotSupportedError(f"unknown node call {request.method!r}")
-            return pb2.NodeReply(id=request.id, result_json=json.dumps(await handler(**args), default=str))
+            return pb2.NodeReply(id=request.id, result_json=json.dumps(await handler(**args),
+                                                                        default=wire_json_default))
         except WorkerError as exc:
             return pb2.NodeReply(id=request.id, error_json=json.dumps(exc.to_wire(), default=str))
         except Exception as exc:

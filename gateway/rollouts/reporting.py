@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from gateway.artifacts.service import store_artifacts
 from gateway.episodes import service as episodes_service
 from gateway.policies import service as policies_service
 from workers.protocol import EpisodeResult, PolicyState, StepRecord
@@ -104,16 +105,21 @@ class DatabaseReporter:
 
     async def record_step(self, episode_id: str, step: StepRecord) -> None:
         async with self._sessionmaker() as db:
-            await episodes_service.record_step(db_session=db, episode_id=episode_id, step=step.as_dict(),
-                                              lease=self._lease)
+            values = step.as_dict()
+            if step.artifacts:
+                values["artifacts"] = await store_artifacts(db_session=db, files=step.artifacts)
+            await episodes_service.record_step(db_session=db, episode_id=episode_id, step=values, lease=self._lease)
 
     async def finish(self, episode_id: str, result: EpisodeResult) -> None:
         try:
             async with self._sessionmaker() as db:
+                info = result.info
+                if result.artifacts:
+                    info = {**info, "artifacts": await store_artifacts(db_session=db, files=result.artifacts)}
                 await episodes_service.finish_episode(
                     db_session=db, episode_id=episode_id, status=result.status, termination=result.termination,
                     reward=result.reward, error=result.error, messages=result.messages,
-                    timings=result.timings, weight_versions=result.weight_versions, info=result.info,
+                    timings=result.timings, weight_versions=result.weight_versions, info=info,
                     lease=self._lease,
                 )
         except episodes_service.LeaseLostError as exc:

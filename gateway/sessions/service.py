@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from gateway.artifacts.service import store_artifacts
 from gateway.db import new_id, utcnow
 from gateway.errors import ConflictError, NotFoundError, RateLimitedError
 from gateway.nodes import service as nodes_service
@@ -295,6 +296,9 @@ async def _step_once(
     if result.reward is not None and not math.isfinite(result.reward):
         logger.warning("session %s: non-finite reward %r reported; answering null", session_id, result.reward)
         result = StepWire.of(result).model_copy(update={"reward": None})
+    if result.artifacts:  # stored apart; the step links them
+        links = await store_artifacts(db_session=db_session, files=result.artifacts)
+        result = StepWire.of(result).model_copy(update={"info": {**result.info, "artifacts": links}, "artifacts": {}})
     step = {
         "session_id": session_id, "tool": tool, "arguments": arguments, "observation": result.observation,
         "reward": result.reward, "terminated": result.terminated, "truncated": result.truncated,

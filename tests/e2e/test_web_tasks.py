@@ -85,6 +85,18 @@ def test_bad_ids_and_refused_urls_are_observations_not_crashes(client, imported)
         assert s.submit().reward == 0.0
 
 
+def test_screenshots_are_artifacts_linked_from_the_step(client, imported):
+    with client.sessions.create(imported["fill-form"]) as s:
+        step = s.step("fill", bid="name", text="Ada Lovelace")
+        (link,) = step.info["artifacts"]
+        png = client.artifacts.get(link["id"])
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) == link["bytes"] > 1000
+        assert int.from_bytes(png[16:20], "big") == 1024  # the viewport's width (IHDR)
+        assert "iVBOR" not in step.observation and link["id"] not in step.observation
+        ending = s.submit()  # no browser action: the final page is still shot
+        assert ending.reward == 0.0 and ending.info["artifacts"][0]["media_type"] == "image/png"
+
+
 def _host_address() -> str:
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:

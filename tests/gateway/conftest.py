@@ -123,6 +123,9 @@ class FakeRuntime:
             if set(arguments) - {"command", "timeout"} or not isinstance(arguments.get("command"), str):
                 raise ActionError("bash takes {'command': string, 'timeout'?: number}")
             command = arguments["command"]
+            if command.startswith("screenshot "):  # a step that made a file, as a web page's screenshot
+                png = b"\x89PNG\r\n\x1a\n" + command[11:].encode()
+                return StepResult("[exit code 0]", None, False, False, {"exit_code": 0}, artifacts={"shot.png": png})
             if command == "crash-the-runtime":
                 raise RuntimeError("simulated bug in the runtime (api_key=fy_secretsecretsecret)")
             if "solve" in command:

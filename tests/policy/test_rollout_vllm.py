@@ -272,3 +272,30 @@ def test_adaptive_branching_spends_its_budget_where_the_policy_is_uncertain(stac
             assert episodes[branch_id].branch_turn == point["turn"]
     for leaf in leaves:
         check_leaf_is_token_exact(client, proxy, leaf)
+
+
+def test_a_web_rollout_is_token_exact_with_screenshots_as_artifacts(stack, vllm_server, tiny_models):
+    """Web episodes in real Chromium: the tokens are the server's, the screenshots are artifacts, not tokens."""
+    client, proxy, _ = stack
+    (task,) = client.tasks.import_dir(ROOT / "examples" / "tasks" / "web" / "fill-form", environment="web")
+    rollout = client.rollouts.create(
+        tasks={"ids": [task.id]}, group_size=2, policy=policy_spec(proxy, vllm_server, tiny_models, "tiny-web"),
+        agent={"max_turns": 2}, limits={"episode_timeout_s": 300, "step_timeout_s": 120}, concurrency=2,
+    )
+    episodes = consume(client, rollout.id)
+    assert len(episodes) == 2
+    tokenizer = ChatTokenizer(tiny_models.primary)
+    for ep in episodes:
+        detail = client.episodes.get(ep.episode_id, tokens=True)
+        assert detail.status in ("completed", "truncated"), detail.error
+        replies = [resp["choices"][0] for req, resp in proxy.calls if req["request_id"].startswith(ep.episode_id + "-")]
+        assert [s.completion_ids for s in detail.steps] == [r["token_ids"] for r in replies]
+        assert sum(ep.loss_mask) == len(ep.logprobs) > 0 and len(ep.input_ids) == len(ep.loss_mask)
+        text = tokenizer.decode(ep.input_ids)
+        assert "Accessibility tree:" in text and "[name] textbox" in text  # the page, as the policy saw it
+        links = detail.info["artifacts"] + [a for s in detail.steps for a in s.artifacts]
+        assert links and all(a["media_type"] == "image/png" for a in links)
+        for link in links:
+            png = client.artifacts.get(link["id"])
+            assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) == link["bytes"]
+            assert link["id"] not in text and "iVBOR" not in text  # never in the token stream

@@ -275,3 +275,37 @@ async def test_queued_demand_for_a_keys_tasks_sizes_it_beyond_its_claims() -> No
     await settle(pool, idle=0)
     await pool.aclose()
     assert len(backend.live) == 2, "only the two claimed sandboxes are left, with their claimers"
+
+
+async def test_a_warmup_runs_on_each_fill_and_keys_its_own_sandboxes() -> None:
+    """A family's warm-up (a web sandbox's browser) runs before a sandbox waits idle; a miss comes cold."""
+    from workers.pool import Warmup
+
+    pool, backend, _ = fake_pool(max_idle=4, window_s=1000)
+    warmed: list[str] = []
+
+    async def warm(_backend, info: SandboxInfo) -> None:
+        warmed.append(info.id)
+
+    warmup = Warmup("browser", warm)
+    spec = SandboxSpec(image="img")
+    cold = await pool.create(spec, warmup=warmup)
+    assert cold.id not in warmed  # a miss: the family warms it itself
+    await settle(pool, idle=2)
+    assert len(warmed) == 2
+    hit = await pool.create(spec, warmup=warmup)
+    assert hit.id in warmed
+    plain = await pool.create(spec)  # the same spec without the warm-up is another key: never a warmed sandbox
+    assert plain.id not in warmed and pool.stats()["keys"] == 2
+
+    async def broken(_backend, info: SandboxInfo) -> None:
+        raise SandboxError("the browser did not start")
+
+    failing = Warmup("broken", broken)
+    await pool.create(spec, warmup=failing)
+    for _ in range(5):
+        await pool.reconcile()
+        await asyncio.sleep(0)
+    stats = pool.stats()
+    assert stats["fill_failures"] >= 1 and stats["discarded"] >= 1  # a failed warm-up is a failed fill, discarded
+    await pool.aclose()

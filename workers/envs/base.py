@@ -55,6 +55,9 @@ class StepResult:
     truncated: bool
     """The episode was cut short (time, max turns) and verified as it stood."""
     info: dict[str, Any] = field(default_factory=dict)
+    artifacts: Mapping[str, bytes] = field(default_factory=dict)
+    """Files the step made (a page's screenshot), by name: stored apart by the gateway and linked from the
+    step, never part of the observation (nor of the tokens a policy sees)."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from workers.errors import ActionError, SessionClosedError
 
 if TYPE_CHECKING:
     from sandboxes.snapshots import Snapshot
-    from workers.pool import WarmPool
+    from workers.pool import WarmPool, Warmup
 
 #: Seconds a bash call may run when the agent gives no timeout (and the caller no budget).
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
@@ -161,10 +161,10 @@ class SandboxedEnv:
         if sandbox is not None:
             await self.backend.destroy(sandbox.id)
 
-    async def _create_sandbox(self, spec: SandboxSpec) -> SandboxInfo:
-        """Start a sandbox for ``spec``: claimed from the warm pool when it has one, else cold."""
+    async def _create_sandbox(self, spec: SandboxSpec, *, warmup: Warmup | None = None) -> SandboxInfo:
+        """Start a sandbox for ``spec``: claimed from the warm pool when it has one (warmed by ``warmup``), else cold."""
         if self.pool is not None:
-            return await self.pool.create(spec)
+            return await self.pool.create(spec, warmup=warmup)
         return await self.backend.create(spec)
 
     async def _restore_setup(self, snapshot: Snapshot, spec: SandboxSpec) -> SandboxInfo:

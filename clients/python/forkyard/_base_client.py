@@ -78,6 +78,8 @@ class RequestOptions(Generic[R]):
     transform: Callable[[Any], Any] | None = None
     idempotent: bool | None = None
     """Override the method-based guess, e.g. for POSTs the server deduplicates."""
+    raw: bool = False
+    """Return the body's bytes as they came (a file), not parsed JSON."""
 
     @property
     def is_idempotent(self) -> bool:
@@ -337,6 +339,8 @@ class BaseClient(Generic[HttpxClientT]):
         return error_cls(message, response=response, code=code, request_id=request_id, body=body)
 
     def _process_response(self, options: RequestOptions[Any], response: httpx.Response) -> Any:
+        if options.raw:
+            return response.content
         result: Any = None
         if options.cast_to is not None and response.status_code != 204:
             try:

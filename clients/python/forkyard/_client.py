@@ -18,6 +18,7 @@ from ._base_client import (
     TimeoutTypes,
     _Sleep,
 )
+from .resources.artifacts import Artifacts, AsyncArtifacts
 from .resources.environments import AsyncEnvironments, Environments
 from .resources.episodes import AsyncEpisodes, Episodes
 from .resources.nodes import AsyncNodes, Nodes
@@ -49,6 +50,7 @@ class Client(BaseClient[httpx.Client]):
     tasks: Tasks
     sessions: Sessions
     snapshots: Snapshots
+    artifacts: Artifacts
     sandboxes: Sandboxes
     rollouts: Rollouts
     policies: Policies
@@ -77,6 +79,7 @@ class Client(BaseClient[httpx.Client]):
         self.tasks = Tasks(self)
         self.sessions = Sessions(self)
         self.snapshots = Snapshots(self)
+        self.artifacts = Artifacts(self)
         self.sandboxes = Sandboxes(self)
         self.rollouts = Rollouts(self)
         self.policies = Policies(self)
@@ -139,6 +142,7 @@ class AsyncClient(BaseClient[httpx.AsyncClient]):
     tasks: AsyncTasks
     sessions: AsyncSessions
     snapshots: AsyncSnapshots
+    artifacts: AsyncArtifacts
     sandboxes: AsyncSandboxes
     rollouts: AsyncRollouts
     policies: AsyncPolicies
@@ -167,6 +171,7 @@ class AsyncClient(BaseClient[httpx.AsyncClient]):
         self.tasks = AsyncTasks(self)
         self.sessions = AsyncSessions(self)
         self.snapshots = AsyncSnapshots(self)
+        self.artifacts = AsyncArtifacts(self)
         self.sandboxes = AsyncSandboxes(self)
         self.rollouts = AsyncRollouts(self)
         self.policies = AsyncPolicies(self)

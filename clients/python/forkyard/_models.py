@@ -373,6 +373,8 @@ class EpisodeStep(ForkyardModel):
     weight_version: int | None = None
     timings: dict[str, Any] = Field(default_factory=dict)
     server: str | None = None
+    artifacts: list[dict[str, Any]] = Field(default_factory=list)
+    """Files the step made (a screenshot): name, id, url, media_type, bytes; fetch with ``artifacts.get(id)``."""
     num_prompt_tokens: int | None = None
     num_completion_tokens: int | None = None
     prompt_ids: list[int] | None = None

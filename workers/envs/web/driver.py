@@ -37,18 +37,27 @@ import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+#: Seconds a connection may take to send its request line.
+_REQUEST_READ_TIMEOUT_S = 10.0
 #: The element attribute holding each element's id (BrowserGym's name).
 BID_ATTRIBUTE = "bid"
 # Sets a bid on each body element that has none (DOM order, continuing the page's counter).
 _MARK_BIDS_JS = """() => {
-  if (!document.body) return 0;
+  if (!document.body) return document.title;
   let next = window.__forkyard_next_bid || 0;
   const mark = (el) => { if (!el.hasAttribute('bid')) el.setAttribute('bid', String(next++)); };
   mark(document.body);
   for (const el of document.body.querySelectorAll('*')) mark(el);
   window.__forkyard_next_bid = next;
-  return next;
+  return document.title;
 }"""
+# Reads the task's expressions in one round trip; each one's failure is its own.
+_CHECKS_JS = """() => {
+  const out = {};
+%s
+  return out;
+}"""
+_CHECK_JS = """  try { out[%s] = (%s); } catch (e) { out[%s] = String(e && e.name ? e.name + ': ' + e.message : e); }"""
 # Math.random seeded per page load (mulberry32), so a page that randomizes itself is replayable.
 _SEED_JS = """(() => {
   let s = %d >>> 0;
@@ -209,10 +218,11 @@ class Driver:
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         self.config = config
-        self.origin: str = config["origin"]
-        self.seed = int(config.get("seed") or 0)
-        self.timeout_ms = int(config.get("action_timeout_ms") or 5000)
-        self.max_tree_chars = int(config.get("max_tree_chars") or 16000)
+        self.origin = ""
+        self.seed = 0
+        self.timeout_ms = 5000
+        self.max_tree_chars = 16000
+        self.site: http.server.ThreadingHTTPServer | None = None
         self.playwright: Any = None
         self.browser: Any = None
         self.context: Any = None
@@ -224,8 +234,18 @@ class Driver:
         self.setup_on_load = False
         """setup_js ran on the active page's current document (a restore of it runs it again)."""
         self.blocked: list[str] = []
+        self._cdp: dict[Any, Any] = {}
 
     # -- lifecycle
+
+    def configure(self, settings: Mapping[str, Any]) -> None:
+        """Take the task's settings (a sandbox's driver starts before it knows its task: a warm pool's)."""
+        self.origin = str(settings["origin"])
+        self.seed = int(settings.get("seed") or 0)
+        self.timeout_ms = int(settings.get("action_timeout_ms") or 5000)
+        self.max_tree_chars = int(settings.get("max_tree_chars") or 16000)
+        if settings.get("site_dir") and self.site is None:
+            self.site = serve_site(str(settings["site_dir"]), int(settings["site_port"]))
 
     def launch(self) -> None:
         from playwright.sync_api import sync_playwright
@@ -244,6 +264,7 @@ class Driver:
     def new_context(self, storage_state: Mapping[str, Any] | None = None,
                     session_storage: Mapping[str, Mapping[str, str]] | None = None) -> None:
         if self.context is not None:
+            self._cdp.clear()
             with contextlib.suppress(Exception):
                 self.context.close()
         viewport = self.config.get("viewport") or {"width": 1024, "height": 768}
@@ -277,6 +298,7 @@ class Driver:
             self.loads += 1
 
     def _closed(self, page: Any) -> None:
+        self._cdp.pop(page, None)
         if page is self.page and self.context is not None:
             pages = [p for p in self.context.pages if not p.is_closed()]
             self.page = pages[-1] if pages else None
@@ -294,38 +316,41 @@ class Driver:
         page = self.page
         with contextlib.suppress(Exception):
             page.wait_for_load_state("domcontentloaded", timeout=self.timeout_ms)
-        page.evaluate(_MARK_BIDS_JS)
-        cdp = self.context.new_cdp_session(page)
+        title = page.evaluate(_MARK_BIDS_JS)
+        cdp = self._cdp.get(page)
+        if cdp is None:
+            cdp = self._cdp[page] = self.context.new_cdp_session(page)
         try:
             snap = cdp.send("DOMSnapshot.captureSnapshot", {"computedStyles": []})
             tree = cdp.send("Accessibility.getFullAXTree")
-        finally:
-            with contextlib.suppress(Exception):
-                cdp.detach()
+        except Exception:
+            self._cdp.pop(page, None)  # a session may not outlive a renderer swap: open another next time
+            raise
         lines = format_ax_tree(tree.get("nodes") or [], bids_by_backend_id(snap))
         text, cut = truncate_lines(lines, self.max_tree_chars)
         obs: dict[str, Any] = {
             "url": page.url,
-            "title": page.title(),
+            "title": title,
             "tree": text,
             "tree_truncated": cut,
-            "tabs": [{"url": p.url, "title": _safe_title(p), "active": p is page} for p in self.context.pages],
+            "tabs": [{"url": p.url, "title": title if p is page else _safe_title(p), "active": p is page}
+                     for p in self.context.pages],
         }
         if screenshot:
             obs["screenshot"] = base64.b64encode(page.screenshot(type="png", timeout=self.timeout_ms)).decode()
         return obs
 
     def evaluate(self, expressions: Mapping[str, str]) -> dict[str, Any]:
-        values: dict[str, Any] = {}
-        for key, expression in expressions.items():
-            if not expression:
-                continue
-            try:
-                values[key] = self.page.evaluate(f"() => ({expression})")
-            except Exception as exc:
-                self.check()
-                values[key + "_error"] = _first_line(exc)
-        return values
+        checks = [(k, e) for k, e in expressions.items() if e]
+        if not checks:
+            return {}
+        body = "\n".join(_CHECK_JS % (json.dumps(k), e, json.dumps(k + "_error")) for k, e in checks)
+        try:
+            values = self.page.evaluate(_CHECKS_JS % body)
+        except Exception as exc:  # a syntax error in an expression fails them all
+            self.check()
+            return {k + "_error": _first_line(exc) for k, _ in checks}
+        return dict(values) if isinstance(values, dict) else {}
 
     # -- actions
 
@@ -449,6 +474,8 @@ def handle(driver: Driver, request: Mapping[str, Any]) -> dict[str, Any]:
     shot = bool(request.get("screenshot"))
     if op == "ping":
         return {"ok": True}
+    if op in ("start", "restore"):
+        driver.configure(request["settings"])
     if op == "start":
         driver.start(request["url"], request.get("setup_js"))
         return {"obs": driver.observe(screenshot=shot), "values": driver.evaluate(checks)}
@@ -497,8 +524,6 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.config, encoding="utf-8") as f:
         config = json.load(f)
     token = config["token"].encode()
-    if config.get("site_dir"):
-        serve_site(config["site_dir"], int(config["site_port"]))
     driver = Driver(config)
     driver.launch()
     listener = socket.create_server(("127.0.0.1", int(config["port"])), backlog=8)
@@ -507,7 +532,10 @@ def main(argv: list[str] | None = None) -> int:
         conn, _ = listener.accept()
         with conn:
             try:
+                # One connection at a time: one that sends nothing must not stall the next requests.
+                conn.settimeout(_REQUEST_READ_TIMEOUT_S)
                 raw = _read_line(conn, 64 * 1024 * 1024)
+                conn.settimeout(None)
                 head, _, body = raw.partition(b" ")
                 if head != token:
                     continue

@@ -1,10 +1,13 @@
 """The web environment: a headless Chromium in a sandbox, driven with BrowserGym-style actions.
 
-At reset the sandbox gets the task's site, the browser driver (:mod:`workers.envs.web.driver`)
-and its config in one archive; the task's ``serve`` command (if any) and the driver start
-in the background, the driver opens the start page and runs ``setup_js``. Each step is
-one exec of a bash ``/dev/tcp`` client that hands the driver one JSON request and prints
-its JSON reply: the action, the next observation and the task's ``reward_js``/``done_js``
+A sandbox's browser driver (:mod:`workers.envs.web.driver`) starts before it knows its
+task: a warm pool's fills start it (:data:`WARMUP`), so a reset that claims such a
+sandbox finds Chromium running; a cold sandbox gets it at reset. The reset then writes
+the task's site (one archive, one exec), starts the task's ``serve`` command if it has
+one, and sends the driver the task's settings with its first request: open the start
+page, run ``setup_js``. Each step is one exec of a bash ``/dev/tcp`` client that hands
+the driver one JSON request (carrying the token only the worker knows) and prints its
+JSON reply: the action, the next observation and the task's ``reward_js``/``done_js``
 values, in one round trip.
 
 The sandbox has no network but its own loopback, and the driver aborts every request
@@ -12,6 +15,8 @@ off the site's origin, so neither a page, a fetch nor ``goto`` reaches the host 
 anything else. The episode ends when ``done_js`` turns true, the agent calls
 ``submit``, ``max_steps`` actions have run or the agent's time is up; it is then scored
 with ``reward_js`` or, when the task has one, ``tests/check.py`` run in the sandbox.
+With ``[observation] screenshots``, each step's result carries a PNG of the page in
+``StepResult.artifacts`` (the gateway stores it and links it), never in the observation.
 
 A browser that crashes, is killed or stops answering ends the episode with
 :class:`~sandboxes.errors.SandboxCrashedError` (an infrastructure failure, never scored)
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import dataclasses
 import gzip
 import io
 import json
@@ -47,6 +53,7 @@ from workers.envs.base import Action, EnvSnapshot, StepResult, ToolSpec
 from workers.envs.sandboxed import SUBMIT_TOOL, SandboxedEnv, check_no_arguments
 from workers.envs.web.task import WebTask
 from workers.errors import ActionError, SessionClosedError, TaskSetupError
+from workers.pool import Warmup
 
 if TYPE_CHECKING:
     from workers.pool import WarmPool
@@ -197,12 +204,14 @@ class WebEnv(SandboxedEnv):
             await self._destroy_sandbox()
             self._count("resets")
             self.messages, self._revive = [], None
-            self.sandbox = await self._create_sandbox(self._spec())
+            self.sandbox = await self._create_sandbox(self._spec(), warmup=WARMUP)
             try:
-                await self._install()
-                await self._start_processes()
+                await self._browser(fresh=False)
+                await self._install_site()
+                await self._serve()
                 reply = await self._call({"op": "start", "url": self.task.start_url, "setup_js": self.task.setup_js,
-                                          "checks": self._checks()}, timeout_s=START_TIMEOUT_S)
+                                          "settings": self._settings(), "checks": self._checks()},
+                                         timeout_s=START_TIMEOUT_S)
                 if reply.get("failed"):
                     raise TaskSetupError(f"web task {self.task.name!r}: the start page {self.task.start_url} did not "
                                          f"open: {reply['failed']}")
@@ -219,64 +228,46 @@ class WebEnv(SandboxedEnv):
                            resources=Resources(cpus=self.task.cpus, memory_mb=self.task.memory_mb, pids=WEB_PIDS,
                                                disk_mb=self.task.disk_mb))
 
-    def _config(self) -> bytes:
-        self._token = secrets.token_urlsafe(24)
-        return json.dumps({
-            "token": self._token, "port": DRIVER_PORT, "origin": self.task.origin, "seed": self.task.seed,
-            "site_dir": None if self.task.serve else SITE_ROOT, "site_port": self.task.port,
-            "action_timeout_ms": ACTION_TIMEOUT_MS, "max_tree_chars": self.task.max_tree_chars,
-        }).encode()
+    def _settings(self) -> dict[str, Any]:
+        """What the driver is told of the task with its first request (a warm pool's driver starts without it)."""
+        return {"origin": self.task.origin, "seed": self.task.seed, "site_port": self.task.port,
+                "site_dir": None if self.task.serve else SITE_ROOT, "action_timeout_ms": ACTION_TIMEOUT_MS,
+                "max_tree_chars": self.task.max_tree_chars}
 
-    async def _install(self) -> None:
-        """Put the site, the driver and its config in the sandbox (one archive, one exec)."""
-        files = {f"{DRIVER_DIR.lstrip('/')}/driver.py": _DRIVER_SOURCE.read_bytes(),
-                 f"{DRIVER_DIR.lstrip('/')}/config.json": self._config()}
-        files.update({f"{SITE_ROOT.lstrip('/')}/{rel}": data for rel, data in self.task.site_files.items()})
-        buffer = io.BytesIO()
-        with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
-            for rel, data in sorted(files.items()):
-                info = tarfile.TarInfo(rel)
-                info.size, info.mode = len(data), 0o600 if rel.endswith("config.json") else 0o644
-                tar.addfile(info, io.BytesIO(data))
-        await self.backend.write_file(self._sandbox_id(), "/tmp/forkyard-web.tgz", buffer.getvalue(), mode=0o600)
-        await self._housekeeping(f"mkdir -p {LOG_DIR} && tar -xzf /tmp/forkyard-web.tgz -C / --no-same-owner "
-                                 "&& rm -f /tmp/forkyard-web.tgz", what="install the site and the browser driver")
+    async def _browser(self, *, fresh: bool) -> None:
+        """Take the sandbox's running driver (a warm pool's), or start one; learn its token.
 
-    async def _start_processes(self) -> None:
-        """Start the task's server (if any) and the driver, and wait until both answer."""
-        if self.task.serve:
-            await self._housekeeping(
-                f"cd {SITE_ROOT} && (setsid nohup bash -c {shlex.quote(self.task.serve)} > {LOG_DIR}/serve.log 2>&1 "
-                "< /dev/null &)", what="start the task's server")
-            if not await self._wait_port(self.task.port, self.task.ready_timeout_s):
-                log = await self._log_tail("serve.log")
-                raise TaskSetupError(f"web task {self.task.name!r}: [site] serve did not listen on port "
-                                     f"{self.task.port} within {self.task.ready_timeout_s:g}s; its output ended: {log}")
-        await self._housekeeping(
-            f"cd {DRIVER_DIR} && (setsid nohup python3 driver.py config.json > {LOG_DIR}/driver.log 2>&1 "
-            "< /dev/null &)", what="start the browser driver")
-        if not await self._wait_port(DRIVER_PORT, START_TIMEOUT_S):
-            log = await self._log_tail("driver.log")
-            raise SandboxError(f"the browser did not start in sandbox {self._sandbox_id()} within "
-                               f"{START_TIMEOUT_S:g}s: {log}")
+        ``fresh`` starts one whatever the sandbox holds (a restored sandbox has a config, not the processes).
+        """
+        sandbox_id = self._sandbox_id()
+        if not fresh:
+            # A subshell: the persistent shell must not keep a connection to the driver open.
+            probe = await self.backend.exec(
+                sandbox_id, f"(cat {DRIVER_DIR}/config.json 2>/dev/null && "
+                f"{{ exec 3<>/dev/tcp/127.0.0.1/{DRIVER_PORT}; }} 2>/dev/null)", timeout_s=_HOUSEKEEPING_TIMEOUT_S)
+            if probe.exit_code == 0:
+                self._token = json.loads(probe.stdout)["token"]
+                self._count("warm_browsers")
+                return
+        self._token = await start_browser(self.backend, sandbox_id)
 
-    async def _wait_port(self, port: int, timeout_s: float) -> bool:
-        tries = max(1, int(timeout_s / 0.05))
-        probe = (f"(for i in $(seq 1 {tries}); do if {{ exec 3<>/dev/tcp/127.0.0.1/{port}; }} 2>/dev/null; then "
-                 "exit 0; fi; sleep 0.05; done; exit 1)")
-        result = await self.backend.exec(self._sandbox_id(), probe, timeout_s=timeout_s + 10)
-        return result.exit_code == 0
+    async def _install_site(self) -> None:
+        """Put the task's site in the sandbox (one archive, one exec)."""
+        files = {f"{SITE_ROOT.lstrip('/')}/{rel}": data for rel, data in self.task.site_files.items()}
+        await _unpack(self.backend, self._sandbox_id(), files, what="install the site")
 
-    async def _log_tail(self, name: str) -> str:
-        result = await self.backend.exec(self._sandbox_id(), f"tail -c 1500 {LOG_DIR}/{name} 2>/dev/null",
-                                         timeout_s=_HOUSEKEEPING_TIMEOUT_S)
-        return result.stdout.strip() or "(no output)"
-
-    async def _housekeeping(self, command: str, *, what: str) -> None:
-        result = await self.backend.exec(self._sandbox_id(), command, timeout_s=_HOUSEKEEPING_TIMEOUT_S)
-        if result.exit_code != 0:
-            detail = (result.stderr or result.stdout).strip()[-500:] or f"exit code {result.exit_code}"
-            raise SandboxError(f"could not {what} in sandbox {self._sandbox_id()}: {detail}")
+    async def _serve(self) -> None:
+        """Start the task's own server, if it has one, and wait until it listens."""
+        if not self.task.serve:
+            return
+        sandbox_id = self._sandbox_id()
+        await _run(self.backend, sandbox_id,
+                   f"mkdir -p {LOG_DIR} && cd {SITE_ROOT} && (setsid nohup bash -c {shlex.quote(self.task.serve)} "
+                   f"> {LOG_DIR}/serve.log 2>&1 < /dev/null &)", what="start the task's server")
+        if not await _wait_port(self.backend, sandbox_id, self.task.port, self.task.ready_timeout_s):
+            log = await _log_tail(self.backend, sandbox_id, "serve.log")
+            raise TaskSetupError(f"web task {self.task.name!r}: [site] serve did not listen on port "
+                                 f"{self.task.port} within {self.task.ready_timeout_s:g}s; its output ended: {log}")
 
     # ------------------------------------------------------------------ the driver
 
@@ -342,7 +333,8 @@ class WebEnv(SandboxedEnv):
             if tool == SUBMIT_TOOL.name:
                 check_no_arguments(tool, arguments)
                 self._took_step()
-                return await self._finish(format_observation(self._obs), truncated=False, note="submitted")
+                return await self._final_page(await self._finish(format_observation(self._obs), truncated=False,
+                                                                 note="submitted"))
             args = check_arguments(tool, arguments)
             self._took_step()
             restore_info = await self._revive_if_restored()
@@ -350,15 +342,20 @@ class WebEnv(SandboxedEnv):
                 return await self._finish(format_observation(self._obs), truncated=True,
                                           note=f"agent time limit of {self.agent_timeout_s:g}s reached")
             error = None
+            shot = self.task.screenshots
             if tool == "send_msg_to_user":
                 self.messages.append(args["text"])
-                reply = await self._call({"op": "observe", "checks": self._checks()})
+                reply = await self._call({"op": "observe", "checks": self._checks(), "screenshot": shot})
             else:
                 timeout = REPLY_TIMEOUT_S if budget_s is None else max(5.0, min(REPLY_TIMEOUT_S, budget_s))
-                reply = await self._call({"op": "act", "tool": tool, "args": args, "checks": self._checks()},
-                                         timeout_s=timeout)
+                reply = await self._call({"op": "act", "tool": tool, "args": args, "checks": self._checks(),
+                                          "screenshot": shot}, timeout_s=timeout)
                 error = reply.get("error") or reply.get("failed")
-            self._obs = reply.get("obs") or self._obs
+            obs = reply.get("obs") or {}
+            png = screenshot_png(obs)
+            obs.pop("screenshot", None)
+            self._obs = obs or self._obs
+            artifacts = {"screenshot.png": png} if png is not None else {}
             observation = format_observation(self._obs, error=error)
             info: dict[str, Any] = {"url": self._obs.get("url"), "title": self._obs.get("title"),
                                     "last_action_error": error, "driver_ms": reply.get("driver_ms"),
@@ -366,23 +363,33 @@ class WebEnv(SandboxedEnv):
             if restore_info is not None:
                 info["restore"] = restore_info
             values = reply.get("values") or {}
+            ending = None
             if self.task.done_js and values.get("done"):
-                return await self._finish(observation, truncated=False, note="the task's page says it is done",
-                                          values=values, info=info)
-            if self.steps >= self.task.max_steps:
-                return await self._finish(observation, truncated=True, note=f"{self.task.max_steps} steps taken",
-                                          values=values, info=info)
-            if self.time_left() <= 0:
-                return await self._finish(observation, truncated=True, values=values, info=info,
-                                          note=f"agent time limit of {self.agent_timeout_s:g}s reached")
-            return StepResult(observation=observation, reward=None, terminated=False, truncated=False, info=info)
+                ending = (False, "the task's page says it is done")
+            elif self.steps >= self.task.max_steps:
+                ending = (True, f"{self.task.max_steps} steps taken")
+            elif self.time_left() <= 0:
+                ending = (True, f"agent time limit of {self.agent_timeout_s:g}s reached")
+            if ending is not None:
+                final = await self._finish(observation, truncated=ending[0], note=ending[1], values=values, info=info)
+                return dataclasses.replace(final, artifacts=artifacts)
+            return StepResult(observation=observation, reward=None, terminated=False, truncated=False, info=info,
+                              artifacts=artifacts)
 
     async def truncate(self, reason: str) -> StepResult:
         """End the episode early (max turns, a rollout's timeout) and score it as it stands."""
         async with self._lock:
             self._check_open()
             self._count("env_steps")
-            return await self._finish(format_observation(self._obs), truncated=True, note=reason)
+            return await self._final_page(await self._finish(format_observation(self._obs), truncated=True,
+                                                             note=reason))
+
+    async def _final_page(self, result: StepResult) -> StepResult:
+        """Add the page's screenshot to an ending that took no browser action, when the task asks for them."""
+        if not self.task.screenshots or self.sandbox is None or self._revive is not None:
+            return result
+        png = screenshot_png((await self._call({"op": "observe", "screenshot": True})).get("obs") or {})
+        return dataclasses.replace(result, artifacts={"screenshot.png": png}) if png is not None else result
 
     async def _finish(self, observation: str, *, truncated: bool, note: str,
                       values: Mapping[str, Any] | None = None, info: dict[str, Any] | None = None) -> StepResult:
@@ -473,10 +480,10 @@ class WebEnv(SandboxedEnv):
         state, self._revive = self._revive, None
         if state is None:
             return None
-        await self._install_config()
-        await self._start_processes()
+        await self._browser(fresh=True)
+        await self._serve()
         reply = await self._call({"op": "restore", "state": state["browser"], "setup_js": self.task.setup_js,
-                                  "checks": self._checks()}, timeout_s=START_TIMEOUT_S)
+                                  "settings": self._settings(), "checks": self._checks()}, timeout_s=START_TIMEOUT_S)
         if reply.get("failed"):
             raise await self._browser_failed(f"the snapshot's page could not be restored: {reply['failed']}")
         before, after = (state.get("obs") or {}).get("tree", ""), reply["obs"].get("tree", "")
@@ -490,8 +497,67 @@ class WebEnv(SandboxedEnv):
                            info["diff"])
         return info
 
-    async def _install_config(self) -> None:
-        await self.backend.write_file(self._sandbox_id(), f"{DRIVER_DIR}/config.json", self._config(), mode=0o600)
+
+
+async def start_browser(backend: SandboxBackend, sandbox_id: str) -> str:
+    """Install the driver with a new token, start it (it launches Chromium) and wait until it answers; return the token.
+
+    Raises:
+        SandboxError: the browser did not start.
+    """
+    token = secrets.token_urlsafe(24)
+    config = json.dumps({"token": token, "port": DRIVER_PORT}).encode()
+    await _unpack(backend, sandbox_id, {f"{DRIVER_DIR.lstrip('/')}/driver.py": _DRIVER_SOURCE.read_bytes(),
+                                        f"{DRIVER_DIR.lstrip('/')}/config.json": config}, what="install the driver")
+    await _run(backend, sandbox_id,
+               f"mkdir -p {LOG_DIR} && cd {DRIVER_DIR} && (setsid nohup python3 driver.py config.json "
+               f"> {LOG_DIR}/driver.log 2>&1 < /dev/null &)", what="start the browser driver")
+    if not await _wait_port(backend, sandbox_id, DRIVER_PORT, START_TIMEOUT_S):
+        log = await _log_tail(backend, sandbox_id, "driver.log")
+        raise SandboxError(f"the browser did not start in sandbox {sandbox_id} within {START_TIMEOUT_S:g}s: {log}")
+    return token
+
+
+async def _warm(backend: SandboxBackend, info: SandboxInfo) -> None:
+    await start_browser(backend, info.id)
+
+
+#: What a warm pool does to a web sandbox before a reset claims it: the driver and Chromium started.
+WARMUP = Warmup("web-browser", _warm)
+
+
+async def _unpack(backend: SandboxBackend, sandbox_id: str, files: Mapping[str, bytes], *, what: str) -> None:
+    """Write ``files`` (paths from /) into the sandbox as one archive, unpacked with one exec."""
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        for rel, data in sorted(files.items()):
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode = len(data), 0o600 if rel.endswith("config.json") else 0o644
+            tar.addfile(info, io.BytesIO(data))
+    archive = f"/tmp/forkyard-web-{secrets.token_hex(4)}.tgz"
+    await backend.write_file(sandbox_id, archive, buffer.getvalue(), mode=0o600)
+    await _run(backend, sandbox_id, f"tar -xzf {archive} -C / --no-same-owner && rm -f {archive}", what=what)
+
+
+async def _run(backend: SandboxBackend, sandbox_id: str, command: str, *, what: str) -> None:
+    result = await backend.exec(sandbox_id, command, timeout_s=_HOUSEKEEPING_TIMEOUT_S)
+    if result.exit_code != 0:
+        detail = (result.stderr or result.stdout).strip()[-500:] or f"exit code {result.exit_code}"
+        raise SandboxError(f"could not {what} in sandbox {sandbox_id}: {detail}")
+
+
+async def _wait_port(backend: SandboxBackend, sandbox_id: str, port: int, timeout_s: float) -> bool:
+    tries = max(1, int(timeout_s / 0.05))
+    probe = (f"(for i in $(seq 1 {tries}); do if {{ exec 3<>/dev/tcp/127.0.0.1/{port}; }} 2>/dev/null; then "
+             "exit 0; fi; sleep 0.05; done; exit 1)")
+    result = await backend.exec(sandbox_id, probe, timeout_s=timeout_s + 10)
+    return result.exit_code == 0
+
+
+async def _log_tail(backend: SandboxBackend, sandbox_id: str, name: str) -> str:
+    result = await backend.exec(sandbox_id, f"tail -c 1500 {LOG_DIR}/{name} 2>/dev/null",
+                                timeout_s=_HOUSEKEEPING_TIMEOUT_S)
+    return result.stdout.strip() or "(no output)"
 
 
 def _first_difference(before: str, after: str) -> str:

@@ -26,6 +26,10 @@ A task is a directory::
     [agent]
     timeout_sec = 600
 
+    [observation]
+    max_tree_chars = 16000      # the tree is cut here, with a visible note
+    screenshots = false         # true: each step stores a PNG of the page as an artifact
+
     [environment]
     cpus = 1
     memory_mb = 2048
@@ -71,7 +75,7 @@ _KNOWN = {
     "task": {"goal", "start_url", "max_steps", "seed", "setup_js", "reward_js", "done_js"},
     "site": {"serve", "port", "ready_timeout_sec"},
     "agent": {"timeout_sec"},
-    "observation": {"max_tree_chars"},
+    "observation": {"max_tree_chars", "screenshots"},
     "environment": {"cpus", "memory_mb", "disk_mb"},
     "metadata": None,
 }
@@ -95,6 +99,8 @@ class WebTask:
     ready_timeout_s: float
     agent_timeout_s: float
     max_tree_chars: int
+    screenshots: bool
+    """Each step stores a PNG of the page as an artifact (linked from the step, never in the observation)."""
     cpus: float
     memory_mb: int
     disk_mb: int
@@ -200,6 +206,9 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> WebTask:
                     "task.start_url")
     if ORACLE_FILE in clean:
         _check_oracle(clean[ORACLE_FILE])
+    screenshots = tables.get("observation", {}).get("screenshots", False)
+    if not isinstance(screenshots, bool):
+        raise _fail(f"[observation] screenshots must be true or false, got {screenshots!r}", "observation.screenshots")
     return WebTask(
         name=name, goal=goal, start_url=start_url,
         max_steps=int(_number(task, "task", "max_steps", DEFAULT_MAX_STEPS, whole=True, low=1, high=10000)),
@@ -209,6 +218,7 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> WebTask:
         agent_timeout_s=_number(agent, "agent", "timeout_sec", DEFAULT_AGENT_TIMEOUT_S, low=1),
         max_tree_chars=int(_number(tables.get("observation", {}), "observation", "max_tree_chars",
                                    DEFAULT_MAX_TREE_CHARS, whole=True, low=500, high=1_000_000)),
+        screenshots=screenshots,
         cpus=_number(env, "environment", "cpus", DEFAULT_CPUS, low=0.1, high=64),
         memory_mb=int(_number(env, "environment", "memory_mb", DEFAULT_MEMORY_MB, whole=True, low=512)),
         disk_mb=int(_number(env, "environment", "disk_mb", DEFAULT_DISK_MB, whole=True, low=256)),
