@@ -235,3 +235,16 @@ def test_fork_mid_task_into_three_branches(client, imported):
         assert outcomes == [1.0, 0.0, 0.0]
         assert "1 × Blue mug" in source.step("noop").observation  # the source's cart is its own
         assert source.submit().reward == 0.0
+
+
+def test_a_fork_after_a_re_render_gives_the_same_ids(client, imported):
+    """The table re-renders its rows on input: a branch must give the new rows the ids the source gave them."""
+    with client.sessions.create(imported["sort-table"]) as source:
+        at_fork = source.step("fill", bid="search", text="lamp")
+        snap = source.snapshot()
+        with client.snapshots.fork(snap.id, 1) as (fork,):
+            first = fork.step("noop")
+            assert first.info["restore"]["matches"], first.info["restore"]
+            assert first.observation == at_fork.observation
+            fork.step("click", bid="sort-price")
+            assert fork.step("click", bid="select-p5").reward == 1.0

@@ -37,6 +37,9 @@ import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+#: Debian's chromium-headless-shell (the old headless mode, as Playwright's own headless build): no
+#: compositor pacing input events and frames to a display, so actions wait fewer frames.
+CHROMIUM = "/usr/lib/chromium/chromium-headless-shell"
 #: Seconds a connection may take to send its request line.
 _REQUEST_READ_TIMEOUT_S = 10.0
 #: The element attribute holding each element's id (BrowserGym's name).
@@ -252,7 +255,7 @@ class Driver:
 
         self.playwright = sync_playwright().start()
         self.browser = self.playwright.chromium.launch(
-            executable_path=self.config.get("chromium") or "/usr/bin/chromium",
+            executable_path=self.config.get("chromium") or CHROMIUM,
             args=["--disable-gpu", "--no-first-run", "--disable-extensions", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--metrics-recording-only"],
         )
@@ -453,10 +456,16 @@ class Driver:
         self.setup_on_load = bool(state.get("setup_on_load"))
         self.log = []
         errors = []
+        # Ids are given when a page is observed, and the episode observed after every step: a
+        # replay marks the page at the same points, so elements a step re-rendered get the same ids.
+        self.page.evaluate(_MARK_BIDS_JS)
         for entry in state.get("log") or []:
             error = self.run_action(entry["tool"], entry.get("args") or {})
             if error:
                 errors.append(error)
+            with contextlib.suppress(Exception):
+                self.page.wait_for_load_state("domcontentloaded", timeout=self.timeout_ms)
+            self.page.evaluate(_MARK_BIDS_JS)
         return errors
 
 
