@@ -8,7 +8,8 @@ Run with ``.venv/bin/python bench/web.py [--backend local|docker|all] [--steps 4
   ``start (pool)``: the same reset claiming its sandbox from a warm pool filled beforehand
   (ratio cold / pool);
 - ``step``: one action to its next observation (the tree and the task's reward/done read
-  back), over every example's oracle and ``noop``s: p50 and p95; the baseline is one bare
+  back), over every example's oracle actions (the first right after its reset) and
+  ``noop``s, together and apart: p50 and p95; the baseline is one bare
   ``backend.exec`` of ``true``, the transport a step rides on (ratio step / exec);
 - ``tree``: the driver's own time to mark ids and extract and format the tree (an ``observe``);
 - ``snapshot + fork x3``: snapshot a session mid-task, restore 3 sandboxes from it and run
@@ -110,19 +111,19 @@ async def starts(kind: str, root: Path, task: WebTask, runs: int) -> dict[str, l
 
 
 async def steps(kind: str, root: Path, all_tasks: list[WebTask], noops: int) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"step": [], "exec": [], "tree": [], "snapshot + fork x3": []}
+    out: dict[str, list[float]] = {"step": [], "step (actions)": [], "step (noop)": [], "exec": [], "tree": [],
+                                   "snapshot + fork x3": []}
     async with runtime(kind, root / "steps") as rt:
         image = await rt.task_image(all_tasks[0])
         for task in all_tasks:
             env = rt.new_env(task, image=image, labels=OWNER)
             await env.reset()
-            await env.step(Action("noop", {}))  # the page's first observation after reset is warm from here
-            for action in FAMILY.oracle(task):
+            for action in FAMILY.oracle(task):  # the first one right after the reset, as an agent's
                 if action.tool == "submit":
                     break
                 t0 = time.perf_counter()
                 result = await env.step(action)
-                out["step"].append(time.perf_counter() - t0)
+                out["step (actions)"].append(time.perf_counter() - t0)
                 if result.terminated or result.truncated:
                     break
             await env.close()
@@ -133,7 +134,7 @@ async def steps(kind: str, root: Path, all_tasks: list[WebTask], noops: int) -> 
                 await env.reset()
             t0 = time.perf_counter()
             await env.step(Action("noop", {}))
-            out["step"].append(time.perf_counter() - t0)
+            out["step (noop)"].append(time.perf_counter() - t0)
             reply = await env._call({"op": "observe"})  # the driver's own time for the tree
             out["tree"].append(reply["driver_ms"] / 1000)
             t0 = time.perf_counter()
@@ -152,6 +153,7 @@ async def steps(kind: str, root: Path, all_tasks: list[WebTask], noops: int) -> 
                 await fork.close()
             await rt.backend.delete_snapshot(snap.id)
         await env.close()
+    out["step"] = out["step (actions)"] + out["step (noop)"]
     return out
 
 
@@ -203,6 +205,10 @@ def report(kind: str, rows: dict[str, object]) -> None:
     exec_ms = median("exec")
     print(f"  step p50 / p95         {pct(step, 0.5):8.1f} / {pct(step, 0.95):.1f} ms over {len(step)} steps   "
           f"step/exec {pct(step, 0.5) / exec_ms:.1f}x (target p50 <= 100 ms)")
+    for kind_ in ("actions", "noop"):
+        values = rows[f"step ({kind_})"]
+        assert isinstance(values, list)
+        print(f"    {kind_:<20} {pct(values, 0.5):8.1f} / {pct(values, 0.95):.1f} ms over {len(values)}")
     print(f"  exec 'true' (baseline) {exec_ms:8.1f} ms")
     print(f"  tree (driver)          {median('tree'):8.1f} ms")
     print(f"  snapshot + fork x3     {median('snapshot + fork x3'):8.0f} ms")

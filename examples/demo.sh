@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: bring the gateway up (SQLite, in-process
 # worker, docker backend if an engine answers, else local), import the example
-# terminal tasks and SWE instances, solve each through the SDK with its oracle
-# solution, print rewards.
+# terminal tasks, SWE instances and web tasks, solve each through the SDK with its
+# oracle solution, print rewards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,6 +36,11 @@ for repo in calc textkit; do
 done
 .venv/bin/forkyard tasks import examples/swe/instances.jsonl >/dev/null
 .venv/bin/python examples/solve_swe.py
+
+# Web: the example web tasks in headless Chromium inside the sandboxes, each solved by its
+# oracle actions (the first session builds the web image: Debian's Chromium and Playwright).
+.venv/bin/forkyard tasks import examples/tasks/web --environment web >/dev/null
+.venv/bin/python examples/solve_web.py
 
 # Branching: one scripted rollout forked at turns 1 and 2, its trajectory trees printed
 # and the first one drawn.

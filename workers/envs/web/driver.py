@@ -171,8 +171,10 @@ def format_ax_tree(nodes: Iterable[Mapping[str, Any]], bids: Mapping[int, str]) 
                 props.insert(0, f"value={_quote(str(value))}")
             lines.append("\t" * depth + ", ".join(parts + props))
             child_depth = depth + 1
+        # A text field's text shows again as a StaticText child: its value covers it.
+        context = f"{name} {value}" if value not in (None, "") else (name or parent_name)
         for child in children_of.get(nid, []):
-            visit(child, child_depth, name or parent_name)
+            visit(child, child_depth, context)
 
     for root in roots:
         visit(root, 0, "")
