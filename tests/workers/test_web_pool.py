@@ -1,4 +1,4 @@
-"""A warm pool of web sandboxes: fills start Chromium, so a reset that claims one skips the browser's start.
+"""Web sandboxes on the docker backend: warm pools that start Chromium ahead of resets, and a hung browser.
 
 On the docker backend, whose engine keeps the web image the web tests built (a local
 backend rebuilds it per data dir); the pool's claims themselves are backend-agnostic
@@ -63,3 +63,37 @@ async def test_resets_claim_sandboxes_whose_browser_already_runs() -> None:
         left = [info.id for info in await backend.list() if info.labels.get(LABEL_OWNER) == owner[LABEL_OWNER]]
         await backend.aclose()
     assert left == []
+
+
+async def test_a_hung_browser_fails_the_episode_as_infra_and_recycles_the_sandbox() -> None:
+    """Chromium stopped (SIGSTOP) mid-episode: the step gives up after its budget, the sandbox is destroyed."""
+    import signal
+
+    from sandboxes.errors import SandboxCrashedError
+    from workers.envs.base import Action
+    from workers.errors import SessionClosedError
+
+    root = Path(tempfile.mkdtemp(prefix="forkyard-web-hang-"))
+    backend = create_backend("docker", node=f"test-web-hang-{uuid.uuid4().hex[:6]}", root_dir=root)
+    runtime = WorkerRuntime(backend, image_cache_dir=DEFAULT_IMAGE_CACHE, base_image=await base_image(backend),
+                            ca_bundle=read_ca_bundle(SYSTEM_CA_BUNDLE))
+    task = FAMILY.load_task("click-button", read_dir(ROOT / "examples" / "tasks" / "web" / "click-button",
+                                                     max_bytes=1 << 20, max_files=100))
+    owner = {LABEL_OWNER: f"test-web-hang-{uuid.uuid4().hex[:6]}"}
+    env = runtime.new_env(task, image=await runtime.task_image(task), labels=owner)
+    try:
+        await env.reset()
+        assert env.sandbox is not None
+        sandbox_id = env.sandbox.id
+        stopped = await backend.exec(sandbox_id, f"pkill -{int(signal.SIGSTOP)} -f '[c]hromium-headless'; echo $?",
+                                     timeout_s=10)
+        assert stopped.stdout.strip() == "0", stopped
+        with pytest.raises(SandboxCrashedError, match="did not answer within 5s"):
+            await env.step(Action("click", {"bid": "submit"}), budget_s=5)
+        assert env.sandbox is None and sandbox_id not in {info.id for info in await backend.list()}
+        assert runtime.ctx.counters["browser_failures"] == 1
+        with pytest.raises(SessionClosedError):
+            await env.step(Action("noop", {}))
+    finally:
+        await env.close()
+        await backend.aclose()
