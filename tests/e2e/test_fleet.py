@@ -20,6 +20,7 @@ from gateway.fleet.queues import RUN_EPISODE, celery_app, node_queue
 from tests.conftest import leftover_sandboxes
 from tests.e2e.test_terminal_tasks import TASK_NAMES, TASKS_DIR
 from tests.fleet import Fleet, fleet
+from tests.live import ROOT
 
 pytestmark = pytest.mark.local
 
@@ -173,6 +174,20 @@ def test_a_session_opened_through_one_gateway_is_stepped_through_another(cluster
             b.sessions.close(one.id)
             assert a.sessions.get(one.id).state == "closed"
         a.snapshots.delete(snapshot.id)
+
+
+def test_a_web_session_on_a_node_sends_its_screenshots_over_the_node_channel(cluster):
+    """Chromium on a worker node; each step's PNG crosses the node channel and is served by either gateway."""
+    with client_of(cluster, "a") as a, client_of(cluster, "b") as b:
+        (task,) = a.tasks.import_dir(ROOT / "examples" / "tasks" / "web" / "fill-form", environment="web")
+        session = a.sessions.create(task.id)  # the node builds the web image on first use
+        step = b.sessions.step(session.id, "fill", bid="name", text="Ada Lovelace")
+        (link,) = step.info["artifacts"]
+        png = a.artifacts.get(link["id"])
+        assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) == link["bytes"]
+        a.sessions.step(session.id, "fill", bid="email", text="ada@example.org")
+        result = b.sessions.step(session.id, "click", bid="send")
+        assert result.terminated and result.reward == 1.0, result.info
 
 
 def test_cancel_stops_the_episodes_running_on_the_nodes_at_once(cluster, task_ids):
