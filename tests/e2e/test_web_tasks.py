@@ -97,6 +97,16 @@ def test_screenshots_are_artifacts_linked_from_the_step(client, imported):
         assert ending.reward == 0.0 and ending.info["artifacts"][0]["media_type"] == "image/png"
 
 
+def test_an_action_that_times_out_is_an_observation_with_the_error(client, imported):
+    """The dialog's button is hidden until the dialog opens: clicking it waits its 5 s, then says so."""
+    with client.sessions.create(imported["modal-dialog"]) as s:
+        step = s.step("click", bid="confirm-delete")
+        assert not step.terminated and step.info["last_action_error"].startswith("TimeoutError"), step.info
+        assert "Last action error: TimeoutError" in step.observation
+        assert s.step("click", bid="del-report").info["last_action_error"] is None  # the episode goes on
+        assert s.submit().reward == 0.0
+
+
 def _host_address() -> str:
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
