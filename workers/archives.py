@@ -11,13 +11,14 @@ crossed ends the read with a :class:`~workers.errors.TaskFormatError` naming it.
 from __future__ import annotations
 
 import bz2
+import gzip
 import io
 import lzma
 import os
 import stat
 import tarfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,7 +174,21 @@ def iter_members(data: bytes, limits: ArchiveLimits | None = None) -> Iterator[t
         raise TaskFormatError(f"the upload is not a readable tar archive: {exc}", file=ARCHIVE) from exc
 
 
-__all__ = ["ArchiveLimits", "iter_members"]
+def pack_files(files: Mapping[str, bytes], *, mode: Callable[[str], int] = lambda path: 0o644) -> bytes:
+    """Return a tar.gz of ``files`` (relative posix path -> bytes), sorted, mtime 0, ``mode(path)`` each.
+
+    What a family writes into a sandbox in one ``write_file`` and unpacks with one exec.
+    """
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        for path, data in sorted(files.items()):
+            info = tarfile.TarInfo(path)
+            info.size, info.mode = len(data), mode(path)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+__all__ = ["ArchiveLimits", "iter_members", "pack_files"]
 
 
 def read_dir(path: str | os.PathLike[str], *, max_bytes: int, max_files: int) -> dict[str, bytes]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.live import ROOT
@@ -179,4 +177,3 @@ def test_tree_truncation_is_visible_and_observation_text_shows_errors():
 def test_driver_source_imports_nothing_of_forkyard():
     source = (ROOT / "workers" / "envs" / "web" / "driver.py").read_text()
     assert "from workers" not in source and "import workers" not in source
-    assert json.loads(json.dumps({"ok": True}))  # the wire is JSON lines

@@ -11,14 +11,12 @@ Registered as ``terminal`` in :mod:`workers.envs.registry`.
 from __future__ import annotations
 
 import base64
-import gzip
-import io
 import shlex
-import tarfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from sandboxes.base import SandboxInfo
+from workers.archives import pack_files
 from workers.envs.base import Action, EnvContext, ToolSpec
 from workers.envs.terminal.env import TERMINAL_ENV_VERSION, TOOLS, TerminalEnv
 from workers.envs.terminal.task import (
@@ -104,13 +102,8 @@ class TerminalFamily:
         if "solve.sh" not in files:
             raise TaskFormatError(f"task {task.name!r} has no oracle: {SOLUTION_SCRIPT} is missing",
                                   file=SOLUTION_SCRIPT)
-        buffer = io.BytesIO()
-        with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
-            for rel, data in sorted(files.items()):
-                info = tarfile.TarInfo(rel)
-                info.size, info.mode = len(data), 0o755 if rel.endswith(".sh") else 0o644
-                tar.addfile(info, io.BytesIO(data))
-        packed = base64.b64encode(buffer.getvalue()).decode("ascii")
+        archive = pack_files(files, mode=lambda rel: 0o755 if rel.endswith(".sh") else 0o644)
+        packed = base64.b64encode(archive).decode("ascii")
         command = (
             f"rm -rf {ORACLE_DIR} && mkdir -p {ORACLE_DIR} && "
             f"printf %s '{packed}' | base64 -d | tar -xzf - -C {ORACLE_DIR} --no-same-owner && "

@@ -238,7 +238,6 @@ class Driver:
         """Actions since the active page's document last loaded (what a fork replays)."""
         self.setup_on_load = False
         """setup_js ran on the active page's current document (a restore of it runs it again)."""
-        self.blocked: list[str] = []
         self._cdp: dict[Any, Any] = {}
 
     # -- lifecycle
@@ -289,7 +288,6 @@ class Driver:
         if same_site(url, self.origin) or url.startswith(("data:", "blob:", "about:")):
             route.continue_()
         else:
-            self.blocked.append(url)
             route.abort("blockedbyclient")
 
     def _adopt(self, page: Any) -> None:
@@ -360,8 +358,6 @@ class Driver:
     # -- actions
 
     def start(self, url: str, setup_js: str | None) -> None:
-        if self.browser is None:
-            self.launch()
         self.new_context()
         self._goto_site(url)
         self.log = []
@@ -449,8 +445,6 @@ class Driver:
                 "setup_on_load": self.setup_on_load}
 
     def restore(self, state: Mapping[str, Any], setup_js: str | None) -> list[str]:
-        if self.browser is None:
-            self.launch()
         self.new_context(state.get("storage_state"), state.get("session_storage"))
         self._goto_site(state["url"])
         if state.get("setup_on_load") and setup_js:
@@ -483,8 +477,6 @@ def handle(driver: Driver, request: Mapping[str, Any]) -> dict[str, Any]:
     op = request.get("op")
     checks = request.get("checks") or {}
     shot = bool(request.get("screenshot"))
-    if op == "ping":
-        return {"ok": True}
     if op in ("start", "restore"):
         driver.configure(request["settings"])
     if op == "start":

@@ -34,14 +34,11 @@ from __future__ import annotations
 import base64
 import collections
 import dataclasses
-import gzip
-import io
 import json
 import logging
 import math
 import secrets
 import shlex
-import tarfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,8 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 from sandboxes.base import Resources, SandboxBackend, SandboxInfo, SandboxSpec
 from sandboxes.errors import SandboxCrashedError, SandboxError
+from workers.archives import pack_files
 from workers.envs.base import Action, EnvSnapshot, StepResult, ToolSpec
-from workers.envs.sandboxed import SUBMIT_TOOL, SandboxedEnv, check_no_arguments
+from workers.envs.sandboxed import SUBMIT_TOOL, SandboxedEnv, check_no_arguments, finite_number
 from workers.envs.web.task import WebTask
 from workers.errors import ActionError, SessionClosedError, TaskSetupError
 from workers.pool import Warmup
@@ -133,9 +131,10 @@ def check_arguments(tool: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in arguments.items():
         if key in ("dx", "dy"):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            number = finite_number(value)
+            if number is None:
                 raise ActionError(f"{tool} {key!r} must be a number of pixels, got {value!r}")
-            out[key] = float(value)
+            out[key] = number
         elif key == "bid" and isinstance(value, int) and not isinstance(value, bool):
             out[key] = str(value)
         elif not isinstance(value, str):
@@ -162,11 +161,8 @@ def format_observation(obs: Mapping[str, Any], *, error: str | None = None, note
 
 
 def _reward(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return 1.0 if value else 0.0
-    if isinstance(value, (int, float)) and math.isfinite(value):
-        return float(value)
-    return None
+    """Return what reward_js gave as a reward: a finite number, or a boolean as 1 or 0; else None."""
+    return float(value) if isinstance(value, bool) else finite_number(value)
 
 
 class WebEnv(SandboxedEnv):
@@ -412,7 +408,7 @@ class WebEnv(SandboxedEnv):
     async def _score(self, values: Mapping[str, Any] | None) -> tuple[float, str | None]:
         if self.task.check_script is not None:
             return await self._run_check()
-        if values is None or "reward" not in values and "reward_error" not in values:
+        if values is None or ("reward" not in values and "reward_error" not in values):
             reply = await self._call({"op": "observe", "checks": self._checks()})
             values = reply.get("values") or {}
         if "reward_error" in values:
@@ -528,14 +524,9 @@ WARMUP = Warmup("web-browser", _warm)
 
 async def _unpack(backend: SandboxBackend, sandbox_id: str, files: Mapping[str, bytes], *, what: str) -> None:
     """Write ``files`` (paths from /) into the sandbox as one archive, unpacked with one exec."""
-    buffer = io.BytesIO()
-    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
-        for rel, data in sorted(files.items()):
-            info = tarfile.TarInfo(rel)
-            info.size, info.mode = len(data), 0o600 if rel.endswith("config.json") else 0o644
-            tar.addfile(info, io.BytesIO(data))
+    data = pack_files(files, mode=lambda rel: 0o600 if rel.endswith("config.json") else 0o644)
     archive = f"/tmp/forkyard-web-{secrets.token_hex(4)}.tgz"
-    await backend.write_file(sandbox_id, archive, buffer.getvalue(), mode=0o600)
+    await backend.write_file(sandbox_id, archive, data, mode=0o600)
     await _run(backend, sandbox_id, f"tar -xzf {archive} -C / --no-same-owner && rm -f {archive}", what=what)
 
 
