@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from gateway.artifacts.router import router as artifacts_router
 from gateway.auth import service as auth_service
 from gateway.auth.dependencies import require_api_key
+from gateway.console.router import install_console
 from gateway.db import (
     check_database,
     create_engine,
@@ -172,10 +173,11 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None, distrib
                 app.state.executor = executor = dispatcher
                 heartbeat = Heartbeat(
                     sessionmaker, node=settings.node, backend=rt.backend_name, capacity=settings.stages.agent,
-                    load=lambda: {"sessions": rt.session_count(), "episodes": dispatcher.running_episodes},
+                    load=lambda: {**rt.load_report(), "episodes": dispatcher.running_episodes},
                     interval_s=settings.nodes.heartbeat_s, sandboxes=rt.list_sandboxes,
                     made_after=rt.sandboxes_made_after,
                     demand=pool.set_demand if (pool := getattr(rt, "pool", None)) is not None else None,
+                    commands=rt.run_command,
                 )
                 await heartbeat.start()
             if settings.grpc_port is not None:
@@ -246,5 +248,6 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None, distrib
                    episodes_router, policies_router, snapshots_router, nodes_router, artifacts_router):
         v1.include_router(router)
     app.include_router(v1)
+    install_console(app)
     declare_error_responses(app)
     return app

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from pydantic import SecretStr, ValidationError
 
-from gateway.settings import Settings
+from gateway.settings import KEY_SCOPES, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -308,8 +308,9 @@ def cmd_keys_create(args: argparse.Namespace) -> int:
     from gateway.auth.service import create_api_key
 
     settings = _settings(data_dir=args.data_dir)
-    created = asyncio.run(_with_db(settings, lambda db: create_api_key(db_session=db, name=args.name)))
-    _stderr(f"forkyard: created API key {created.id}{f' ({created.name})' if created.name else ''}; "
+    created = asyncio.run(_with_db(settings, lambda db: create_api_key(db_session=db, name=args.name,
+                                                                       scope=args.scope)))
+    _stderr(f"forkyard: created {args.scope} API key {created.id}{f' ({created.name})' if created.name else ''}; "
             "it is shown only once, store it now")
     print(created.key, flush=True)
     return 0
@@ -323,7 +324,7 @@ def cmd_keys_list(args: argparse.Namespace) -> int:
     rows = asyncio.run(_with_db(settings, lambda db: list_api_keys(db_session=db)))
     for row in rows:
         revoked = f"revoked {row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "active"
-        print(f"{row.id}  {row.prefix}...  {row.created_at:%Y-%m-%d %H:%M}  {revoked}  {row.name}")
+        print(f"{row.id}  {row.prefix}...  {row.scope:7}  {row.created_at:%Y-%m-%d %H:%M}  {revoked}  {row.name}")
     return 0
 
 
@@ -609,6 +610,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="keys_command", required=True, metavar="COMMAND")
     create = keys.add_parser("create", help="create an API key and print it once")
     create.add_argument("--name", default="", help="a label for the key")
+    create.add_argument("--scope", choices=list(KEY_SCOPES), default="trainer",
+                        help="trainer: the /v1 API (default); admin: the API and the console at /admin")
     create.add_argument("--data-dir", type=Path, help="data dir of the gateway (or set FORKYARD_DATABASE_URL)")
     create.set_defaults(func=cmd_keys_create)
     listing = keys.add_parser("list", help="list API keys (never their secrets)")

@@ -2,10 +2,11 @@
 
 from gateway.artifacts.models import Artifact
 from gateway.auth.models import ApiKey
+from gateway.console.models import AdminSession, AuditEntry
 from gateway.db import Base
 from gateway.environments.models import Environment
 from gateway.episodes.models import Episode, EpisodeStep
-from gateway.nodes.models import Node
+from gateway.nodes.models import Node, NodeCommand
 from gateway.policies.models import Policy
 from gateway.rollouts.models import (
     DeliveryConsumer,
@@ -19,7 +20,7 @@ from gateway.snapshots.models import SnapshotRecord
 from gateway.tasks.models import Task
 
 __all__ = [
-    "ApiKey", "Artifact", "Base", "DeliveryConsumer", "DeliveryLease", "EnvSession", "Environment", "Episode",
-    "EpisodeGroup", "EpisodeStep", "Node", "Policy", "Rollout", "Sandbox", "SessionState", "SessionStep",
+    "AdminSession", "ApiKey", "Artifact", "AuditEntry", "Base", "DeliveryConsumer", "DeliveryLease", "EnvSession", "Environment", "Episode",
+    "EpisodeGroup", "EpisodeStep", "Node", "NodeCommand", "Policy", "Rollout", "Sandbox", "SessionState", "SessionStep",
     "SnapshotRecord", "Task",
 ]

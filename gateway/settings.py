@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 DEFAULT_IMAGE_CACHE_DIR = Path("/var/cache/forkyard/images")
 #: Every API key starts with this; it also lets the log filter find keys to redact.
 API_KEY_PREFIX = "fy_"
+#: What a key opens: ``trainer`` the ``/v1`` API, ``admin`` that and the console at ``/admin``.
+KEY_SCOPES = ("trainer", "admin")
 
 
 class SessionLimits(BaseModel):

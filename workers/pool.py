@@ -264,6 +264,27 @@ class WarmPool:
             pool.demand = sum(queued_by_task.get(task, 0) for task in pool.tasks)
         self._wake.set()
 
+    def resize(self, key_id: str, size: int) -> None:
+        """Set the target of the key ``key_id`` (or every key it prefixes) to ``size``: an operator's override.
+
+        ``size`` < 0 removes the override (back to demand). Takes effect at the next reconcile.
+        """
+        if size < 0:
+            sizes = {k: v for k, v in self.policy.sizes.items() if k != key_id}
+        else:
+            sizes = {**self.policy.sizes, key_id: size}
+        self.policy = dataclasses.replace(self.policy, sizes=sizes)
+        self._wake.set()
+
+    def drop(self, sandbox_id: str) -> bool:
+        """Forget ``sandbox_id`` if it waits idle (an operator destroys it); return whether it did."""
+        for pool in self._pools.values():
+            for info in pool.idle:
+                if info.id == sandbox_id:
+                    pool.idle.remove(info)
+                    return True
+        return False
+
     def target(self, pool: _Pool) -> int:
         """Return how many idle sandboxes ``pool``'s key should have now (before the node's cap)."""
         for prefix, size in self.policy.sizes.items():

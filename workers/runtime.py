@@ -429,6 +429,47 @@ class WorkerRuntime:
             made = [self.pool.view(info) for info in made]
         return made, next_mark
 
+    def load_report(self) -> dict[str, Any]:
+        """Return what this node's heartbeat reports beside its load: the warm pool's and the setup cache's state."""
+        report: dict[str, Any] = {"sessions": self.session_count()}
+        if self.pool is not None:
+            report["pool"] = self.pool.stats()
+        if self.setup_cache is not None:
+            report["setup_cache"] = self.setup_cache.summary()
+        return report
+
+    async def run_command(self, kind: str, args: Mapping[str, Any]) -> str:
+        """Carry out an operator's command (the console queues them; the heartbeat runs them); return what it did.
+
+        ``kill_sandbox`` (``sandbox_id``): destroy it (a session's is closed; an episode's fails
+        with an infra error at its next step). ``resize_pool`` (``key``, ``size``; < 0 clears the
+        override). ``evict_cache`` (``entry``: a setup cache key id).
+
+        Raises:
+            ValueError: an unknown command, or one this node cannot carry out.
+        """
+        if kind == "kill_sandbox":
+            sandbox_id = str(args["sandbox_id"])
+            owner = next((info.labels.get(LABEL_OWNER) for info in await self.list_sandboxes()
+                          if info.id == sandbox_id), None)
+            if owner is not None and owner in self._envs:
+                await self.close_session(owner)
+                return f"closed session {owner} and its sandbox {sandbox_id}"
+            if self.pool is not None:
+                self.pool.drop(sandbox_id)
+            await self.backend.destroy(sandbox_id)
+            return f"destroyed sandbox {sandbox_id}"
+        if kind == "resize_pool":
+            if self.pool is None:
+                raise ValueError("this node has no warm pool (FORKYARD_POOL__MAX_IDLE is 0)")
+            self.pool.resize(str(args["key"]), int(args["size"]))
+            return f"pool key {str(args['key'])[:12]}: target {args['size'] if int(args['size']) >= 0 else 'by demand'}"
+        if kind == "evict_cache":
+            if self.setup_cache is None or not await self.setup_cache.discard_id(str(args["entry"])):
+                raise ValueError(f"no setup cache entry {str(args['entry'])[:16]} on this node")
+            return f"evicted setup cache entry {str(args['entry'])[:12]}"
+        raise ValueError(f"unknown node command {kind!r}")
+
     async def reap(self, keep_owner_ids: set[str] = frozenset()) -> list[str]:
         """Destroy this node's sandboxes that neither a live session here nor ``keep_owner_ids`` owns."""
         reaped = []

@@ -287,6 +287,24 @@ class SetupCache:
             if entry is not None:
                 await self._commit(entries, [entry.snapshot])
 
+    async def discard_id(self, entry_id: str) -> bool:
+        """Drop the entry whose key id is (or starts with, 12 characters at least) ``entry_id``; return whether one was."""
+        await self.load()
+        matches = [entry.key for key_id, entry in self._entries.items()
+                   if key_id == entry_id or (len(entry_id) >= 12 and key_id.startswith(entry_id))]
+        if len(matches) != 1:
+            return False
+        await self.discard(matches[0])
+        return True
+
+    def summary(self, limit: int = 200) -> dict[str, Any]:
+        """Return :meth:`stats` and the ``limit`` most recently used entries (id, environment, bytes, times)."""
+        entries = [{"id": entry.key.id, "environment": entry.key.environment, "task_hash": entry.key.task_hash[:16],
+                    "snapshot": entry.snapshot.id, "bytes": entry.bytes, "created_at": entry.created_at,
+                    "last_used_at": entry.last_used_at}
+                   for entry in reversed(self._entries.values())][:limit]
+        return {**self.stats(), "max_bytes": self.max_bytes, "items": entries}
+
     async def clear(self) -> None:
         """Delete every entry and its backend snapshot (one that fails to delete stays released, retried later)."""
         await self.load()

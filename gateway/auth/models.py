@@ -21,3 +21,5 @@ class ApiKey(Base):
     hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+    scope: Mapped[str] = mapped_column(String(16), default="trainer", server_default="trainer")
+    """``trainer`` (the ``/v1`` API) or ``admin`` (the API and the console at ``/admin``)."""

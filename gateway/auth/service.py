@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.auth.models import ApiKey
 from gateway.db import new_id, utcnow
-from gateway.settings import API_KEY_PREFIX
+from gateway.settings import API_KEY_PREFIX, KEY_SCOPES
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +40,24 @@ def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-async def create_api_key(*, db_session: AsyncSession, name: str = "", key: str | None = None) -> CreatedApiKey:
-    """Store a new key (or ``key`` if given and not yet known) and return it with its secret."""
+async def create_api_key(*, db_session: AsyncSession, name: str = "", key: str | None = None,
+                         scope: str = "trainer") -> CreatedApiKey:
+    """Store a new key (or ``key`` if given and not yet known) and return it with its secret.
+
+    ``scope``: ``trainer`` (the ``/v1`` API) or ``admin`` (that and the console).
+    """
+    if scope not in KEY_SCOPES:
+        raise ValueError(f"unknown key scope {scope!r}: one of {', '.join(KEY_SCOPES)}")
     key = key or generate_api_key()
     digest = hash_api_key(key)
     existing = await db_session.scalar(select(ApiKey).where(ApiKey.hash == digest))
     if existing is not None:
         return CreatedApiKey(id=existing.id, name=existing.name, key=key)
-    row = ApiKey(id=new_id("key"), name=name, prefix=key[:DISPLAY_PREFIX_LEN], hash=digest, created_at=utcnow())
+    row = ApiKey(id=new_id("key"), name=name, prefix=key[:DISPLAY_PREFIX_LEN], hash=digest, created_at=utcnow(),
+                 scope=scope)
     db_session.add(row)
     await db_session.commit()
-    logger.info("created API key %s (%s...)", row.id, row.prefix)
+    logger.info("created %s API key %s (%s...)", scope, row.id, row.prefix)
     return CreatedApiKey(id=row.id, name=row.name, key=key)
 
 

@@ -76,7 +76,7 @@ class Episode(Base):
     """Why the episode will never be delivered (failed, stale, cancelled); None otherwise."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
     started_at: Mapped[datetime | None] = mapped_column(default=None)
-    finished_at: Mapped[datetime | None] = mapped_column(default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(default=None, index=True)
 
 
 class EpisodeStep(Base):

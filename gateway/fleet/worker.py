@@ -146,6 +146,7 @@ class NodeAgent:
             load=self._load, interval_s=settings.nodes.heartbeat_s, address=self.address, channel_token=token,
             sandboxes=self._runtime.list_sandboxes, made_after=self._runtime.sandboxes_made_after,
             demand=self._runtime.pool.set_demand if self._runtime.pool is not None else None,
+            commands=self._runtime.run_command,
         )
         await self._heartbeat.start()
         self._background = [asyncio.create_task(self._listen(), name="cancel listener"),
@@ -154,9 +155,8 @@ class NodeAgent:
                     self._runtime.backend_name, self.capacity, self.address, redact_database_url(url))
 
     def _load(self) -> dict[str, Any]:
-        pool = self._runtime.pool
-        return {"episodes": sum(len(runs) for runs in self._runs.values()), "sessions": self._runtime.session_count(),
-                "jobs": dict(self.outcomes), **({"pool": pool.stats()} if pool is not None else {})}
+        return {**self._runtime.load_report(), "episodes": sum(len(runs) for runs in self._runs.values()),
+                "jobs": dict(self.outcomes)}
 
     async def _run_job(self, rollout_id: str, episode_id: str) -> str:
         outcome = await self._run(rollout_id, episode_id)

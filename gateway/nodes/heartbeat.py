@@ -37,11 +37,15 @@ class Heartbeat:
         sandboxes: Callable[[], Awaitable[Sequence[Any]]] | None = None,
         made_after: Callable[[int], tuple[Sequence[Any], int]] | None = None,
         demand: Callable[[Mapping[str, int]], None] | None = None,
+        commands: Callable[[str, Mapping[str, Any]], Awaitable[str]] | None = None,
     ) -> None:
         """``made_after``: the sandboxes the node made after a mark, gone or not, and the next mark
         (the backend's ledger); those made and destroyed between two listings get a row too, gone.
         ``demand``: called each beat with the episodes queued for this node by task name
-        (:func:`gateway.nodes.service.queued_demand`); the node's warm pool sizes from it."""
+        (:func:`gateway.nodes.service.queued_demand`); the node's warm pool sizes from it.
+        ``commands``: runs an operator's command queued for this node (the console's kill,
+        resize and evict); each beat runs those pending and records their outcome."""
+        self._commands = commands
         self.address = address
         self._channel_token = channel_token
         self._demand = demand
@@ -82,11 +86,32 @@ class Heartbeat:
                     await self.record_sandboxes()
                 except Exception:
                     logger.warning("node %s: recording its sandboxes failed", self.node, exc_info=True)
+            if self._commands is not None:
+                try:
+                    await self.run_commands()
+                except Exception:
+                    logger.warning("node %s: running the queued commands failed", self.node, exc_info=True)
             if self._demand is not None:
                 try:
                     await self.read_demand()
                 except Exception:
                     logger.warning("node %s: reading the queued demand failed", self.node, exc_info=True)
+
+    async def run_commands(self) -> int:
+        """Run the commands queued for this node now, oldest first, recording each outcome; return how many ran."""
+        assert self._commands is not None
+        async with self._sessionmaker() as db:
+            pending = [(c.id, c.kind, dict(c.args)) for c in await service.pending_commands(db_session=db,
+                                                                                             node=self.node)]
+        for command_id, kind, args in pending:
+            try:
+                result, ok = await self._commands(kind, args), True
+            except Exception as exc:
+                result, ok = f"{type(exc).__name__}: {exc}", False
+            logger.info("node %s: command %s %s: %s", self.node, kind, "done" if ok else "failed", result)
+            async with self._sessionmaker() as db:
+                await service.finish_command(db_session=db, command_id=command_id, ok=ok, result=result)
+        return len(pending)
 
     async def read_demand(self) -> dict[str, int]:
         """Read the episodes queued for this node by task now, hand them to ``demand`` and return them."""

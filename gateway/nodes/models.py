@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, String
+from sqlalchemy import JSON, Index, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from gateway.db import Base, utcnow
@@ -31,3 +31,25 @@ class Node(Base):
     """``host:port`` of its node channel for the sessions of its sandboxes (worker nodes; None embedded)."""
     channel_token: Mapped[str | None] = mapped_column(String(64), default=None)
     """The secret a gateway presents first on that channel (a new one at each start; never shown by the API)."""
+
+
+class NodeCommand(Base):
+    """An operator's command for one node (kill a sandbox, resize a pool, evict a cache entry).
+
+    The console writes it; the node runs it at its next heartbeat and writes the outcome, so a
+    command reaches a worker host the same way it reaches the embedded gateway.
+    """
+
+    __tablename__ = "node_command"
+    __table_args__ = (Index("ix_node_command_node_state", "node", "state"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    node: Mapped[str] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(32))
+    """``kill_sandbox`` (``sandbox_id``), ``resize_pool`` (``key``, ``size``) or ``evict_cache`` (``entry``)."""
+    args: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    """``pending``, ``done`` or ``failed``."""
+    result: Mapped[str | None] = mapped_column(Text, default=None)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    done_at: Mapped[datetime | None] = mapped_column(default=None)

@@ -17,9 +17,9 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from gateway.db import utcnow
+from gateway.db import new_id, utcnow
 from gateway.errors import NotFoundError
-from gateway.nodes.models import Node
+from gateway.nodes.models import Node, NodeCommand
 from gateway.nodes.schemas import NodeRead
 
 logger = logging.getLogger(__name__)
@@ -126,3 +126,35 @@ async def set_draining(*, db_session: AsyncSession, name: str, draining: bool) -
 async def is_draining(*, db_session: AsyncSession, name: str) -> bool:
     """Tell whether ``name`` is draining (False for a node never seen)."""
     return bool(await db_session.scalar(select(Node.draining).where(Node.name == name)))
+
+
+#: Commands a node carries out (``WorkerRuntime.run_command``).
+NODE_COMMANDS = frozenset({"kill_sandbox", "resize_pool", "evict_cache"})
+#: Commands one beat runs at most (the rest wait for the next).
+COMMANDS_PER_BEAT = 100
+
+
+async def queue_command(*, db_session: AsyncSession, node: str, kind: str, args: dict[str, Any]) -> NodeCommand:
+    """Queue ``kind`` for ``node``, which runs it at its next heartbeat; commit and return it."""
+    if kind not in NODE_COMMANDS:
+        raise ValueError(f"unknown node command {kind!r}")
+    await get_node(db_session=db_session, name=node)
+    row = NodeCommand(id=new_id("cmd"), node=node, kind=kind, args=args, state="pending", created_at=utcnow())
+    db_session.add(row)
+    await db_session.commit()
+    return row
+
+
+async def pending_commands(*, db_session: AsyncSession, node: str) -> list[NodeCommand]:
+    """Return ``node``'s commands not yet run, oldest first."""
+    return list((await db_session.scalars(
+        select(NodeCommand).where(NodeCommand.node == node, NodeCommand.state == "pending")
+        .order_by(NodeCommand.created_at, NodeCommand.id).limit(COMMANDS_PER_BEAT)
+    )).all())
+
+
+async def finish_command(*, db_session: AsyncSession, command_id: str, ok: bool, result: str) -> None:
+    """Record a command's outcome."""
+    await db_session.execute(update(NodeCommand).where(NodeCommand.id == command_id)
+                             .values(state="done" if ok else "failed", result=result[:2000], done_at=utcnow()))
+    await db_session.commit()

@@ -26,7 +26,8 @@ class Sandbox(Base):
     node: Mapped[str] = mapped_column(String(255))
     backend: Mapped[str] = mapped_column(String(32))
     state: Mapped[SandboxStatus] = mapped_column(
-        Enum(SandboxStatus, native_enum=False, length=16, values_callable=lambda e: [m.value for m in e])
+        Enum(SandboxStatus, native_enum=False, length=16, values_callable=lambda e: [m.value for m in e]),
+        index=True,
     )
     session_id: Mapped[str | None] = mapped_column(ForeignKey("session.id"), index=True, default=None)
     task_id: Mapped[str | None] = mapped_column(ForeignKey("task.id"), default=None)

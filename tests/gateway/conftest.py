@@ -112,6 +112,16 @@ class FakeRuntime:
     def session_count(self) -> int:
         return len(self.sessions)
 
+    def load_report(self) -> dict[str, Any]:
+        return {"sessions": self.session_count()}
+
+    async def run_command(self, kind: str, args: Mapping[str, Any]) -> str:
+        """Kill a sandbox (as the real runtime does); other commands need a pool or a cache this runtime lacks."""
+        if kind != "kill_sandbox" or args["sandbox_id"] not in self.sandboxes:
+            raise ValueError(f"cannot {kind} here")
+        del self.sandboxes[args["sandbox_id"]]
+        return f"destroyed sandbox {args['sandbox_id']}"
+
     async def step(self, session_id: str, tool: str, arguments: dict[str, Any]) -> StepResult:
         session = self.sessions.get(session_id)
         if session is None:
