@@ -173,7 +173,8 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None, distrib
                 app.state.executor = executor = dispatcher
                 heartbeat = Heartbeat(
                     sessionmaker, node=settings.node, backend=rt.backend_name, capacity=settings.stages.agent,
-                    load=lambda: {**rt.load_report(), "episodes": dispatcher.running_episodes},
+                    load=lambda: {**rt.load_report(), "episodes": dispatcher.running_episodes,
+                                  "stages": stages.in_use()},
                     interval_s=settings.nodes.heartbeat_s, sandboxes=rt.list_sandboxes,
                     made_after=rt.sandboxes_made_after,
                     demand=pool.set_demand if (pool := getattr(rt, "pool", None)) is not None else None,

@@ -41,6 +41,17 @@ class LiveGateway:
         return {**os.environ, "FORKYARD_URL": self.url, "FORKYARD_API_KEY": self.api_key}
 
 
+def wait_for(predicate, timeout_s: float, what: str, *, poll_s: float = 0.2):
+    """Return ``predicate()``'s first truthy value, polling until ``timeout_s``; fail naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def free_port() -> int:
     """Return a TCP port that is free on 127.0.0.1 right now."""
     with socket.socket() as s:

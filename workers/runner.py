@@ -56,11 +56,22 @@ class StageLimits:
     setup: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(4))
     agent: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(32))
     verify: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(4))
+    _sizes: dict[str, int] = field(init=False, repr=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._sizes = {name: sem._value for name, sem in self._stages()}
+
+    def _stages(self) -> tuple[tuple[str, asyncio.Semaphore], ...]:
+        return ("setup", self.setup), ("agent", self.agent), ("verify", self.verify)
 
     @classmethod
     def of(cls, *, setup: int, agent: int, verify: int) -> StageLimits:
         """Build limits from three counts."""
         return cls(asyncio.Semaphore(setup), asyncio.Semaphore(agent), asyncio.Semaphore(verify))
+
+    def in_use(self) -> dict[str, int]:
+        """Return how many episodes hold each stage's slots now (a node's load by stage)."""
+        return {name: self._sizes[name] - sem._value for name, sem in self._stages()}
 
 
 @dataclass

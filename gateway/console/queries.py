@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.console.models import AuditEntry
 from gateway.db import utcnow
+from gateway.environments.models import Environment
 from gateway.episodes.models import Episode, EpisodeStep
 from gateway.nodes import service as nodes_service
 from gateway.nodes.models import NodeCommand
@@ -66,6 +67,12 @@ async def _page(db: AsyncSession, stmt: Select[Any], page: int, *, scalars: bool
     paged = stmt.limit(PAGE_SIZE).offset((page - 1) * PAGE_SIZE)
     rows = list((await db.scalars(paged)).all()) if scalars else list((await db.execute(paged)).all())
     return Page(items=rows, page=page, total=total)
+
+
+def page_list(items: Sequence[T], page: int) -> Page[T]:
+    """Return one page of a list already in memory (the nodes, and what their heartbeats report)."""
+    page = max(1, page)
+    return Page(items=list(items[(page - 1) * PAGE_SIZE:page * PAGE_SIZE]), page=page, total=len(items))
 
 
 def _minute(at: datetime) -> datetime:
@@ -138,9 +145,9 @@ async def nodes(db: AsyncSession) -> list[NodeRead]:
     return await nodes_service.list_nodes(db_session=db)
 
 
-async def recent_commands(db: AsyncSession, *, limit: int = 20) -> list[NodeCommand]:
-    """Return the latest commands queued for nodes, newest first."""
-    return list((await db.scalars(select(NodeCommand).order_by(NodeCommand.created_at.desc()).limit(limit))).all())
+async def commands(db: AsyncSession, page: int) -> Page[NodeCommand]:
+    """Return one page of the commands queued for nodes, newest first."""
+    return await _page(db, select(NodeCommand).order_by(NodeCommand.created_at.desc(), NodeCommand.id.desc()), page)
 
 
 # ---------------------------------------------------------------------------- sandboxes
@@ -312,7 +319,12 @@ def token_view(training: dict[str, Any], *, limit: int = 4000) -> list[dict[str,
     return tokens
 
 
-# ---------------------------------------------------------------------------- tasks and audit
+# ---------------------------------------------------------------------------- tasks, environments and audit
+
+
+async def environments(db: AsyncSession, page: int) -> Page[Environment]:
+    """Return one page of environments, oldest first."""
+    return await _page(db, select(Environment).order_by(Environment.created_at, Environment.id), page)
 
 
 async def tasks(db: AsyncSession, page: int, environment: str = "") -> Page[Task]:

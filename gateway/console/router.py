@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Depends, FastAPI, Form, Query, Request, UploadFile
@@ -39,7 +40,7 @@ from gateway.db import utcnow
 from gateway.dependencies import DbSession, get_step_gate
 from gateway.environments import service as environments_service
 from gateway.episodes import service as episodes_service
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, NotFoundError
 from gateway.nodes import service as nodes_service
 from gateway.pagination import MAX_LIMIT
 from gateway.rollouts import service as rollouts_service
@@ -52,6 +53,7 @@ from workers.errors import TaskFormatError
 from workers.protocol import EpisodeStatus, SandboxStatus
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
@@ -91,6 +93,22 @@ def render(request: Request, name: str, *, status_code: int = 200, **context: An
                    htmx=HTMX.is_file(), msg=request.query_params.get("msg"), err=request.query_params.get("err"),
                    path=request.url.path, now=utcnow())
     return templates.TemplateResponse(request, name, context, status_code=status_code)
+
+
+class Missing(Exception):
+    """What a page names is not in the database: the console answers its "not found" page (404)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+async def found(lookup: Awaitable[T], what: str) -> T:
+    """Await a service lookup; raise :class:`Missing` (naming ``what``) where it finds nothing."""
+    try:
+        return await lookup
+    except NotFoundError as exc:
+        raise Missing(what) from exc
 
 
 def back(url: str, *, msg: str | None = None, err: str | None = None) -> RedirectResponse:
@@ -155,14 +173,15 @@ async def overview_fragment(request: Request, db_session: DbSession, admin: Oper
 
 
 @router.get("/nodes", response_class=HTMLResponse)
-async def nodes_page(request: Request, db_session: DbSession, admin: Operator):
-    return render(request, "nodes.html", nodes=await queries.nodes(db_session),
-                  commands=await queries.recent_commands(db_session))
+async def nodes_page(request: Request, db_session: DbSession, admin: Operator, page: int = Query(1, ge=1),
+                     commands_page: int = Query(1, ge=1)):
+    return render(request, "nodes.html", page=queries.page_list(await queries.nodes(db_session), page),
+                  commands=await queries.commands(db_session, commands_page))
 
 
 @router.get("/fragments/nodes", response_class=HTMLResponse)
-async def nodes_fragment(request: Request, db_session: DbSession, admin: Operator):
-    return render(request, "_nodes.html", nodes=await queries.nodes(db_session))
+async def nodes_fragment(request: Request, db_session: DbSession, admin: Operator, page: int = Query(1, ge=1)):
+    return render(request, "_nodes.html", page=queries.page_list(await queries.nodes(db_session), page))
 
 
 @router.post("/nodes/{name}/{verb}")
@@ -250,7 +269,7 @@ async def kill_many(request: Request, db_session: DbSession, admin: Action, node
 async def sandbox_page(request: Request, sandbox_id: str, db_session: DbSession, admin: Operator):
     detail = await queries.sandbox_detail(db_session, sandbox_id)
     if detail is None:
-        return render(request, "missing.html", what=f"sandbox {sandbox_id}", status_code=404)
+        raise Missing(f"sandbox {sandbox_id}")
     return render(request, "sandbox.html", **detail)
 
 
@@ -268,8 +287,8 @@ async def kill_one(request: Request, sandbox_id: str, db_session: DbSession, adm
 
 
 @router.get("/pools", response_class=HTMLResponse)
-async def pools_page(request: Request, db_session: DbSession, admin: Operator):
-    return render(request, "pools.html", pools=queries.pools(await queries.nodes(db_session)))
+async def pools_page(request: Request, db_session: DbSession, admin: Operator, page: int = Query(1, ge=1)):
+    return render(request, "pools.html", page=queries.page_list(queries.pools(await queries.nodes(db_session)), page))
 
 
 @router.post("/pools/resize")
@@ -286,8 +305,10 @@ async def resize_pool(db_session: DbSession, admin: Action, node: Annotated[str,
 
 
 @router.get("/cache", response_class=HTMLResponse)
-async def cache_page(request: Request, db_session: DbSession, admin: Operator, page: int = Query(1, ge=1)):
-    return render(request, "cache.html", caches=queries.setup_caches(await queries.nodes(db_session)),
+async def cache_page(request: Request, db_session: DbSession, admin: Operator, page: int = Query(1, ge=1),
+                     nodes_page: int = Query(1, ge=1)):
+    caches = queries.setup_caches(await queries.nodes(db_session))
+    return render(request, "cache.html", caches=queries.page_list(caches, nodes_page),
                   snapshots=await queries.snapshots(db_session, page))
 
 
@@ -335,10 +356,8 @@ async def rollouts_page(request: Request, db_session: DbSession, admin: Operator
 @router.get("/rollouts/{rollout_id}", response_class=HTMLResponse)
 async def rollout_page(request: Request, rollout_id: str, db_session: DbSession, admin: Operator,
                        page: int = Query(1, ge=1), dead_page: int = Query(1, ge=1), status: str = ""):
-    try:
-        row = await rollouts_service.get_rollout(db_session=db_session, rollout_id=rollout_id)
-    except GatewayError:
-        return render(request, "missing.html", what=f"rollout {rollout_id}", status_code=404)
+    row = await found(rollouts_service.get_rollout(db_session=db_session, rollout_id=rollout_id),
+                      f"rollout {rollout_id}")
     status = status if status in [s.value for s in EpisodeStatus] else ""
     counts, progress = (await rollouts_service.rollout_stats(db_session=db_session, rollouts=[row]))[row.id]
     return render(request, "rollout.html", rollout=row, counts=counts, progress=progress, status=status,
@@ -365,10 +384,8 @@ async def cancel_rollout(request: Request, rollout_id: str, db_session: DbSessio
 
 @router.get("/episodes/{episode_id}", response_class=HTMLResponse)
 async def episode_page(request: Request, episode_id: str, db_session: DbSession, admin: Operator):
-    try:
-        episode = await episodes_service.get_episode(db_session=db_session, episode_id=episode_id)
-    except GatewayError:
-        return render(request, "missing.html", what=f"episode {episode_id}", status_code=404)
+    episode = await found(episodes_service.get_episode(db_session=db_session, episode_id=episode_id),
+                          f"episode {episode_id}")
     steps = await episodes_service.get_steps(db_session=db_session, episode_id=episode_id)
     training = await episodes_service.get_training(db_session=db_session, episode_id=episode_id)
     return render(request, "episode.html", episode=episode, steps=steps, tokens=queries.token_view(training),
@@ -385,10 +402,8 @@ async def step_fragment(request: Request, episode_id: str, turn: int, db_session
 
 @router.get("/episodes/{episode_id}/tree", response_class=HTMLResponse)
 async def tree_page(request: Request, episode_id: str, db_session: DbSession, admin: Operator):
-    try:
-        tree = await episodes_service.get_tree(db_session=db_session, episode_id=episode_id)
-    except GatewayError:
-        return render(request, "missing.html", what=f"episode {episode_id}", status_code=404)
+    tree = await found(episodes_service.get_tree(db_session=db_session, episode_id=episode_id),
+                       f"episode {episode_id}")
     svg = tree_view.tree_svg(tree, step_url="/admin/episodes/{episode}/steps/{turn}")
     return render(request, "tree.html", tree=tree, svg=svg)
 
@@ -428,10 +443,10 @@ async def import_tasks(request: Request, db_session: DbSession, admin: Action, f
 
 
 @router.get("/environments", response_class=HTMLResponse)
-async def environments_page(request: Request, db_session: DbSession, admin: Operator):
-    rows, _ = await environments_service.list_environments(db_session=db_session, limit=MAX_LIMIT)
-    return render(request, "environments.html",
-                  environments=[environments_service.environment_read(row) for row in rows])
+async def environments_page(request: Request, db_session: DbSession, admin: Operator, page: int = Query(1, ge=1)):
+    rows = await queries.environments(db_session, page)
+    return render(request, "environments.html", page=rows,
+                  environments=[environments_service.environment_read(row) for row in rows.items])
 
 
 @router.get("/audit", response_class=HTMLResponse)
@@ -454,6 +469,10 @@ def install_console(app: FastAPI) -> None:
         if request.method != "GET":
             return HTMLResponse("Sign in first: /admin/login", status_code=401)
         return RedirectResponse("/admin/login", status_code=303)
+
+    @app.exception_handler(Missing)
+    async def _missing(request: Request, exc: Missing) -> Response:
+        return render(request, "missing.html", what=exc.what, status_code=404)
 
     @app.exception_handler(CsrfRefused)
     async def _csrf_refused(request: Request, exc: CsrfRefused) -> Response:

@@ -156,7 +156,7 @@ class NodeAgent:
 
     def _load(self) -> dict[str, Any]:
         return {**self._runtime.load_report(), "episodes": sum(len(runs) for runs in self._runs.values()),
-                "jobs": dict(self.outcomes)}
+                "stages": self._host.stages.in_use() if self._host is not None else {}, "jobs": dict(self.outcomes)}
 
     async def _run_job(self, rollout_id: str, episode_id: str) -> str:
         outcome = await self._run(rollout_id, episode_id)

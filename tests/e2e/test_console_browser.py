@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from tests.e2e.test_branching import POLICY as TREE_POLICY
 from tests.e2e.test_rollouts import wait_done
 from tests.e2e.test_terminal_tasks import TASKS_DIR
 from tests.fleet import Fleet, fleet
-from tests.live import FORKYARD, ROOT
+from tests.live import FORKYARD, ROOT, wait_for
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 
@@ -39,16 +38,6 @@ SLOW = {"name": "slow", "api": "scripted", "model": "slow",
         "actions": [{"tool": "bash", "arguments": {"command": "sleep 20"}}, {"tool": "submit", "arguments": {}}]}
 NODES = {"wd": "docker", "wl": "local"}
 DOCS = ROOT / "docs" / "console"
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class World:
@@ -167,12 +156,15 @@ def test_every_page_renders_the_fleet_data_without_console_errors(console, world
     assert page.locator(".card strong.up").inner_text() == "2"
     page = console.open("/admin/nodes", "nodes")
     assert set(page.locator("tr[data-node]").evaluate_all("rows => rows.map(r => r.dataset.node)")) == set(NODES)
+    for stages in page.locator("tr[data-node] td.stages").all_inner_texts():  # setup · agent · verify, in use now
+        assert [part.isdigit() for part in stages.split(" · ")] == [True, True, True], stages
     page = console.open("/admin/sandboxes", "sandboxes")
     listed = page.locator("tbody").inner_text()
     for session in world.sessions:
         assert session.id in listed
-    backends = {world.api("/v1/sandboxes")["items"][i]["backend"] for i in range(len(world.sessions))}
-    assert backends <= {"docker", "local"}
+    session_ids = {session.id for session in world.sessions}
+    backends = {r["backend"] for r in world.api("/v1/sandboxes")["items"] if r["session_id"] in session_ids}
+    assert backends == {"docker", "local"}
     (row,) = [r for r in world.api("/v1/sandboxes")["items"] if r["session_id"] == world.sessions[0].id]
     page = console.open(f"/admin/sandboxes/{row['id']}", "sandbox")
     assert "console-was-here" in page.locator("pre.output").first.inner_text()
@@ -209,6 +201,12 @@ def test_the_tree_viewer_shows_the_leaves_and_rewards_of_the_api(console, world)
     page.click(f'svg.tree a.node[data-node="{node}"]')  # htmx loads the step beside the tree
     page.wait_for_selector(f'#tree-step .step-detail[data-turn="{node.rsplit(":", 1)[1]}"]')
     assert "Observation" in page.locator("#tree-step").inner_text()
+    leaf = tree["leaves"][-1]["node"]  # by keyboard: focus a node, press Enter
+    page.focus(f'svg.tree a.node[data-node="{leaf}"]')
+    page.keyboard.press("Enter")
+    episode_id, turn = leaf.rsplit(":", 1)
+    page.wait_for_selector(f'#tree-step .step-detail[data-episode="{episode_id}"][data-turn="{turn}"]')
+    assert page.url.endswith("/tree")  # in place: the tree page stays
     page.screenshot(path=str(console.shots / "tree.png"))
 
 

@@ -20,7 +20,7 @@ from gateway.fleet.queues import RUN_EPISODE, celery_app, node_queue
 from tests.conftest import leftover_sandboxes
 from tests.e2e.test_terminal_tasks import TASK_NAMES, TASKS_DIR
 from tests.fleet import Fleet, fleet
-from tests.live import ROOT
+from tests.live import ROOT, wait_for
 
 pytestmark = pytest.mark.local
 
@@ -75,16 +75,6 @@ def deliver_all(client: forkyard.Client, rollout_id: str, expected: int, consume
     assert len(ids) == len(set(ids)), "an episode was delivered twice"
     assert len(samples) == len(set(samples)) == expected, f"{len(set(samples))} of {expected} samples delivered"
     return seen
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def running_on(client: forkyard.Client, rollout_id: str, node: str) -> list:

@@ -17,8 +17,9 @@ from sqlalchemy import select
 from gateway.app import create_app
 from gateway.auth.service import create_api_key, revoke_api_key
 from gateway.console.models import AuditEntry
-from gateway.console.queries import failure_reason
+from gateway.console.queries import PAGE_SIZE, failure_reason
 from gateway.console.tree import layout
+from gateway.nodes import service as nodes_service
 from gateway.nodes.heartbeat import Heartbeat
 from gateway.nodes.models import NodeCommand
 from tests.gateway.conftest import API_KEY, NODE, FakeRuntime, asgi_client, make_settings
@@ -213,6 +214,36 @@ async def test_import_tasks_by_upload(console):
                                  files={"file": ("x.tar.gz", b"not a tar", "application/gzip")})
     assert bad.status_code == 303 and httpx.URL(bad.headers["location"]).params["err"]
     assert [a for a, _ in await console.audit()] == ["login", "tasks.import"]
+
+
+async def test_long_lists_page_and_a_node_shows_its_load_by_stage(console):
+    await console.login()
+    async with console.app.state.sessionmaker() as db:
+        for i in range(PAGE_SIZE + 5):  # a fleet longer than one page, each with a pool and a setup cache
+            load = {"stages": {"setup": i % 3, "agent": i, "verify": 1},
+                    "pool": {"idle": 0, "max_idle": 4, "hits": 0, "misses": 0, "by_key": []},
+                    "setup_cache": {"entries": 0, "bytes": 0, "max_bytes": 1 << 20, "hits": 0, "misses": 0,
+                                    "evictions": 0, "items": []}}
+            await nodes_service.heartbeat(db_session=db, name=f"n{i:03d}", backend="local", capacity=8, load=load,
+                                          heartbeat_s=5)
+    first = await console.web.get("/admin/nodes")
+    assert first.text.count('<tr data-node="') == PAGE_SIZE and 'href="/admin/nodes?page=2"' in first.text
+    second = await console.web.get("/admin/nodes?page=2")
+    rows = re.findall(r'<tr data-node="(n\d+)">', second.text)
+    assert rows == [f"n{i:03d}" for i in range(PAGE_SIZE, PAGE_SIZE + 5)]  # by name
+    assert f'<td class="stages">{(PAGE_SIZE + 4) % 3} · {PAGE_SIZE + 4} · 1</td>' in second.text
+    fragment = await console.web.get("/admin/fragments/nodes?page=2")
+    assert rows == re.findall(r'<tr data-node="(n\d+)">', fragment.text)
+    pools = await console.web.get("/admin/pools?page=2")
+    assert pools.text.count('<section class="pool"') == 5 and "page 2 of 2" in pools.text
+    cache = await console.web.get("/admin/cache?nodes_page=2")
+    assert len(re.findall(r'<section data-node="n\d+">', cache.text)) == 5
+    environments = await console.web.get("/admin/environments?page=2")
+    assert environments.status_code == 200 and "No environment." in environments.text  # one page of them
+    for url, what in (("/admin/rollouts/ro_missing", "rollout ro_missing"), ("/admin/episodes/ep_missing", "episode"),
+                      ("/admin/episodes/ep_missing/tree", "episode ep_missing"), ("/admin/sandboxes/sb_x", "sandbox")):
+        missing = await console.web.get(url)
+        assert missing.status_code == 404 and f"There is no {what}" in missing.text, url
 
 
 def test_keys_create_admin_scope_from_the_cli(tmp_path, capsys):

@@ -84,6 +84,15 @@ async def test_wrong_answer_scores_zero_and_the_episode_says_what_the_verifier_p
     assert len(verifier["stdout"]) <= 2048 and len(verifier["stderr"]) <= 2048
 
 
+async def test_stage_limits_report_the_slots_in_use():
+    stages = StageLimits.of(setup=2, agent=3, verify=1)
+    assert stages.in_use() == {"setup": 0, "agent": 0, "verify": 0}
+    async with stages.setup, stages.agent:
+        async with stages.agent:
+            assert stages.in_use() == {"setup": 1, "agent": 2, "verify": 0}
+    assert stages.in_use() == {"setup": 0, "agent": 0, "verify": 0}
+
+
 def test_the_verifier_summary_keeps_the_tails():
     from workers.runner import verifier_summary
 
