@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from gateway.artifacts.service import store_artifacts
 from gateway.db import new_id, utcnow
 from gateway.errors import ConflictError, NotFoundError, RateLimitedError
-from gateway.nodes import service as nodes_service
+from gateway.nodes.models import Node
 from gateway.pagination import page_of, paginate
 from gateway.sandboxes.models import Sandbox
 from gateway.sessions.gate import StepGate
@@ -149,19 +149,20 @@ async def last_observation(
     return (await db_session.execute(_OBSERVATION, {"id": owner, "seq": seq})).scalar()
 
 
-async def count_open_sessions(*, db_session: AsyncSession, node: str) -> int:
-    """Return how many sessions are open on ``node``."""
-    stmt = select(func.count()).select_from(EnvSession).where(
+async def admission(*, db_session: AsyncSession, node: str) -> tuple[bool, int]:
+    """Return whether ``node`` is draining and how many sessions are open on it, in one read."""
+    draining = select(Node.draining).where(Node.name == node).scalar_subquery()
+    open_count = select(func.count()).select_from(EnvSession).where(
         EnvSession.node == node, EnvSession.state == SessionState.OPEN
-    )
-    return int(await db_session.scalar(stmt) or 0)
+    ).scalar_subquery()
+    row = (await db_session.execute(select(draining, open_count))).one()
+    return bool(row[0]), int(row[1] or 0)
 
 
-async def refuse_if_draining(*, db_session: AsyncSession, node: str) -> None:
-    """Raise ConflictError (``node_draining``) if ``node`` takes no new work."""
-    if await nodes_service.is_draining(db_session=db_session, name=node):
-        raise ConflictError(f"Node {node!r} is draining: it takes no new sessions until an operator undrains it.",
-                            code="node_draining")
+def draining_error(node: str) -> ConflictError:
+    """Return the error that refuses new work on a draining ``node``."""
+    return ConflictError(f"Node {node!r} is draining: it takes no new sessions until an operator undrains it.",
+                         code="node_draining")
 
 
 async def open_session(
@@ -174,8 +175,10 @@ async def open_session(
         RateLimitedError: ``max_open`` sessions are already open on this node.
     """
     task = await get_task(db_session=db_session, task_id=task_id)
-    await refuse_if_draining(db_session=db_session, node=node)
-    if await count_open_sessions(db_session=db_session, node=node) >= max_open:
+    draining, open_count = await admission(db_session=db_session, node=node)
+    if draining:
+        raise draining_error(node)
+    if open_count >= max_open:
         raise RateLimitedError(
             f"This gateway node already runs {max_open} open sessions (its limit); close one and retry."
         )

@@ -211,8 +211,8 @@ async def fork_snapshot(
     """Start ``n`` sessions continuing from a snapshot; each inherits the history up to it.
 
     The restore starts first when this process knows the snapshot (:data:`known_snapshots`);
-    its row is read (live? under the node's limit?) and the forks' rows written while the
-    backend restores their sandboxes. If a check fails or the snapshot turns out deleted
+    its row is read (live? its node draining? under the node's limit?) and the forks' rows
+    written while the backend restores their sandboxes. If a check fails or the snapshot turns out deleted
     meanwhile, the sandboxes are freed and the forks fail. No sandbox starts past the
     runtime's own count of open sessions.
     With a write-behind ``gate``, each fork's sandbox is recorded behind the answer, as
@@ -228,8 +228,8 @@ async def fork_snapshot(
         record = await get_snapshot(db_session=db_session, snapshot_id=snapshot_id)
         known = known_snapshots.put(record)
     node = node or str(known.state["session"]["sandbox"].get("node") or "")  # "": where the snapshot is
-    # No sandbox starts past the limit (the runtime's count; the database's is read beside the restore).
-    await sessions_service.refuse_if_draining(db_session=db_session, node=node)
+    # No sandbox starts past the limit (the runtime's count; the database's is read beside the restore,
+    # with the node's drain flag: a fork refused for either frees what it started).
     if runtime.session_count() + n > max_open:
         raise _too_many(n, max_open)
     task = None if runtime.loads_tasks else await load_task(db_session=db_session, task_id=known.task_id)
@@ -252,7 +252,10 @@ async def fork_snapshot(
     try:
         if record is None:
             record = await get_snapshot(db_session=db_session, snapshot_id=snapshot_id)
-        if await sessions_service.count_open_sessions(db_session=db_session, node=node) + n > max_open:
+        draining, open_count = await sessions_service.admission(db_session=db_session, node=node)
+        if draining:
+            raise sessions_service.draining_error(node)
+        if open_count + n > max_open:
             raise _too_many(n, max_open)
         db_session.add_all(rows)
         await db_session.commit()

@@ -66,6 +66,23 @@ async def test_a_draining_node_opens_no_session_until_undrained(gateway):
     assert_error(await gateway.client.post("/v1/nodes/no-such-node/drain"), 404, "not_found")
 
 
+async def test_a_draining_node_forks_nothing_and_keeps_no_started_branch(gateway):
+    """The drain flag is read beside the restore: a refused fork frees the branches it started."""
+    task = await gateway.import_task("hello")
+    session = await gateway.open_session(task["id"])
+    snap = (await gateway.client.post(f"/v1/sessions/{session['id']}/snapshot")).json()
+    sandboxes, sessions = set(gateway.runtime.sandboxes), set(gateway.runtime.sessions)
+    await gateway.client.post(f"/v1/nodes/{NODE}/drain")
+    assert_error(await gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 2}), 409, "node_draining")
+    assert (set(gateway.runtime.sandboxes), set(gateway.runtime.sessions)) == (sandboxes, sessions)
+    listed = (await gateway.client.get("/v1/sessions", params={"state": "open"})).json()["items"]
+    assert [s["id"] for s in listed] == [session["id"]]
+    await gateway.client.post(f"/v1/nodes/{NODE}/undrain")
+    forked = await gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 2})
+    assert forked.status_code == 201, forked.text
+    assert len(set(gateway.runtime.sessions) - sessions) == 2
+
+
 def test_cli_lists_and_drains_nodes(tmp_path, capsys):
     data = tmp_path / "data"
 

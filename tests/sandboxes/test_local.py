@@ -16,7 +16,7 @@ import pytest
 from sandboxes import fs, local, oci
 from sandboxes.backends import create_backend
 from sandboxes.base import ImageConfig, Resources, SandboxSpec, SandboxState
-from sandboxes.cgroups import SandboxCgroup, cgroup_version
+from sandboxes.cgroups import FAVOR_DYNMODS, SandboxCgroup, cgroup_version, favor_dynamic_moves
 from sandboxes.errors import BackendUnavailableError, SandboxCrashedError, SandboxError
 from sandboxes.local import LocalBackend
 from sandboxes.network import EgressPolicy, list_ruleset
@@ -130,6 +130,49 @@ def test_no_cgroups_at_all(tmp_path):
 def test_this_host_cgroup_version_matches_its_mounts():
     expected = 2 if Path("/sys/fs/cgroup/cgroup.controllers").exists() else 1
     assert cgroup_version() == expected
+
+
+_HYBRID = (
+    "30 25 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec - tmpfs tmpfs ro,mode=755\n"
+    "31 30 0:27 / /sys/fs/cgroup/memory rw,nosuid,nodev,noexec,relatime - cgroup cgroup rw,memory\n"
+    "41 30 0:38 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 "
+    "rw,nsdelegate,memory_recursiveprot\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("mountinfo", "features", "expected"),
+    [
+        # A hybrid host: the cgroup2 mount is remounted with its own options kept, and its per-mount
+        # flags restated (a remount resets those it leaves out).
+        (_HYBRID, "nsdelegate\nfavordynmods\n",
+         ("/sys/fs/cgroup/unified", 0x20 | 0x2 | 0x4 | 0x8 | 0x200000, "nsdelegate,memory_recursiveprot,favordynmods")),
+        (_HYBRID.replace("memory_recursiveprot", "favordynmods"), "favordynmods\n", None),  # set already
+        (_HYBRID, "nsdelegate\nmemory_localevents\n", None),  # a kernel before 6.0
+        (_HYBRID.replace("cgroup2", "ext4"), "favordynmods\n", None),  # no cgroup2 mount
+        ("41 30 0:38 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw\n", "favordynmods\n",
+         ("/sys/fs/cgroup", 0x20 | 0x200000, "favordynmods")),
+    ],
+)  # fmt: skip
+def test_favor_dynamic_moves_remounts_only_what_needs_it(tmp_path, mountinfo, features, expected):
+    (tmp_path / "mountinfo").write_text(mountinfo)
+    (tmp_path / "features").write_text(features)
+    calls = []
+    changed = favor_dynamic_moves(tmp_path / "mountinfo", tmp_path / "features", mount=lambda *a: calls.append(a))
+    assert calls == ([expected] if expected else [])
+    assert changed == (expected[0] if expected else None)
+
+
+def test_favor_dynamic_moves_on_this_host(backend_root):
+    """A started backend leaves the host's cgroup2 tree favoring moves, where the kernel offers it."""
+    features = Path("/sys/kernel/cgroup/features")
+    if FAVOR_DYNMODS not in (features.read_text().split() if features.exists() else []):
+        pytest.skip("this kernel has no favordynmods (Linux < 6.0)")
+    LocalBackend(backend_root, "n")
+    mounts = [line.split(" - ")[1].split() for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    options = [m[2].split(",") for m in mounts if m[0] == "cgroup2"]
+    assert options and all(FAVOR_DYNMODS in o for o in options[:1])
+    assert favor_dynamic_moves() is None  # a second backend changes nothing
 
 
 # -------------------------------------------------------- confinement of files
