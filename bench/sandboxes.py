@@ -11,7 +11,10 @@ Run with ``.venv/bin/python bench/sandboxes.py [--runs 50]`` as root after
   installed only in ``bench/.venv-swerex`` (created on first use).
 
 Prints p50 and p95 in milliseconds and ratios against the baselines. ``fork`` is the
-time per branch of one ``restore(snapshot, 8)``, ``fork n=1`` one ``restore(snapshot, 1)``.
+time per branch of one ``restore(snapshot, 8)``, ``fork n=1`` one ``restore(snapshot, 1)``
+right after the previous sandbox operation, ``fork n=1 idle`` one after 50 ms in which no
+sandbox started (how a lone fork arrives in a gateway: a start that follows others closely
+is cheaper, see ``sandboxes.cgroups.favor_dynamic_moves``).
 ``local (crun), seccomp compiled per start`` is the local backend before it reused the
 filter crun compiled for its first sandbox (the baseline of that change).
 """
@@ -51,6 +54,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 FORK_BRANCHES = 8
+#: The pause before a ``fork n=1 idle``.
+IDLE_S = 0.05
 
 
 async def bench_backend(
@@ -69,7 +74,7 @@ async def bench_backend(
     image = await ensure_base_image(backend, DEFAULT_IMAGE_CACHE)
     spec = SandboxSpec(image=image)
     out: dict[str, list[float]] = {"create": [], "exec": [], "write": [], "snapshot": [], "fork": [], "fork n=1": [],
-                                   "destroy": []}
+                                   "fork n=1 idle": [], "destroy": []}
     try:
         warm = await backend.create(spec)
         await backend.destroy(warm.id)
@@ -108,6 +113,11 @@ async def bench_backend(
                 t = time.perf_counter()
                 (branch,) = await backend.restore(snap, 1)
                 out["fork n=1"].append(time.perf_counter() - t)
+                await backend.destroy(branch.id)
+                await asyncio.sleep(IDLE_S)
+                t = time.perf_counter()
+                (branch,) = await backend.restore(snap, 1)
+                out["fork n=1 idle"].append(time.perf_counter() - t)
                 await backend.destroy(branch.id)
                 await backend.delete_snapshot(snap.id)
         finally:
@@ -198,7 +208,7 @@ def main() -> None:
     if not args.skip_swerex:
         results["SWE-ReX"] = bench_swerex(args.runs)
 
-    ops = ["create", "exec", "write", "snapshot", "fork", "fork n=1", "destroy"]
+    ops = ["create", "exec", "write", "snapshot", "fork", "fork n=1", "fork n=1 idle", "destroy"]
     print(f"# bench/sandboxes.py — {time.strftime('%Y-%m-%d')} — {platform.node()} "
           f"({os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}), runs={args.runs}")
     print()
@@ -231,7 +241,7 @@ def main() -> None:
     before, after = results.get("local (crun), seccomp compiled per start"), results.get("local (crun)")
     if before and after:
         parts = [f"{op} {statistics.median(before[op]) / statistics.median(after[op]):.2f}x"
-                 for op in ("create", "fork", "fork n=1") if before.get(op) and after.get(op)]
+                 for op in ("create", "fork", "fork n=1", "fork n=1 idle") if before.get(op) and after.get(op)]
         print("- local (crun) vs the same compiling its seccomp profile at every start: " + ", ".join(parts))
 
 

@@ -41,14 +41,14 @@ async def fork_snapshot(
     gate: Gate, node: ForkNode,
 ):
     """Start ``n`` sessions continuing from the snapshot; each inherits the steps up to it (``GET .../steps``)."""
-    record, forks = await service.fork_snapshot(
+    forks = await service.fork_snapshot(
         db_session=db_session, runtime=runtime, snapshot_id=snapshot_id, n=body.n, node=node,
         max_open=settings.sessions.max_open, gate=gate,
     )
     return ForkedSessions(items=[
         ForkedSession(
             id=row.id, task_id=row.task_id, state=row.state, observation=opened.observation, tools=opened.tools,
-            sandbox_id=row.sandbox_id, created_at=row.created_at, snapshot_id=record.id, steps=row.steps,
+            sandbox_id=row.sandbox_id, created_at=row.created_at, snapshot_id=snapshot_id, steps=row.steps,
         )
         for row, opened in forks
     ])

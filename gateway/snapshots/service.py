@@ -166,6 +166,12 @@ async def _drop_snapshot(runtime: WorkerClient, snapping: asyncio.Future) -> Non
 _DELETED_AT = select(SnapshotRecord.deleted_at).where(SnapshotRecord.id == bindparam("id"))
 
 
+async def _live(db_session: AsyncSession, snapshot_id: str) -> bool:
+    """Tell whether the snapshot's row is there and not deleted (one light read)."""
+    row = (await db_session.execute(_DELETED_AT, {"id": snapshot_id})).first()
+    return row is not None and row[0] is None
+
+
 @dataclasses.dataclass(frozen=True)
 class KnownSnapshot:
     """The part of a snapshot row that never changes: enough to start restoring its forks."""
@@ -207,7 +213,7 @@ known_snapshots = KnownSnapshots()
 async def fork_snapshot(
     *, db_session: AsyncSession, runtime: WorkerClient, snapshot_id: str, n: int, node: str, max_open: int,
     gate: StepGate | None = None,
-) -> tuple[SnapshotRecord, list[tuple[EnvSession, OpenedView]]]:
+) -> list[tuple[EnvSession, OpenedView]]:
     """Start ``n`` sessions continuing from a snapshot; each inherits the history up to it.
 
     The restore starts first when this process knows the snapshot (:data:`known_snapshots`);
@@ -223,10 +229,9 @@ async def fork_snapshot(
         RateLimitedError: the forks would exceed ``max_open`` open sessions on this node.
     """
     known = known_snapshots.get(snapshot_id)
-    record: SnapshotRecord | None = None
+    read = known is None
     if known is None:  # written by another process (or long ago): read it before anything starts
-        record = await get_snapshot(db_session=db_session, snapshot_id=snapshot_id)
-        known = known_snapshots.put(record)
+        known = known_snapshots.put(await get_snapshot(db_session=db_session, snapshot_id=snapshot_id))
     node = node or str(known.state["session"]["sandbox"].get("node") or "")  # "": where the snapshot is
     # No sandbox starts past the limit (the runtime's count; the database's is read beside the restore,
     # with the node's drain flag: a fork refused for either frees what it started).
@@ -250,8 +255,8 @@ async def fork_snapshot(
     await asyncio.sleep(0)  # the restore starts now, before the reads below
     failure: BaseException | None = None
     try:
-        if record is None:
-            record = await get_snapshot(db_session=db_session, snapshot_id=snapshot_id)
+        if not read and not await _live(db_session, snapshot_id):  # its columns only: the state is known
+            raise NotFoundError(f"Snapshot {snapshot_id!r} does not exist.")
         draining, open_count = await sessions_service.admission(db_session=db_session, node=node)
         if draining:
             raise sessions_service.draining_error(node)
@@ -260,7 +265,7 @@ async def fork_snapshot(
         db_session.add_all(rows)
         await db_session.commit()
         # Read after the rows are in: a collection that ran before them shows here, one after spares the snapshot.
-        if (await db_session.execute(_DELETED_AT, {"id": record.id})).scalar() is not None:
+        if not await _live(db_session, snapshot_id):
             failure = NotFoundError(f"Snapshot {snapshot_id!r} does not exist.")
         await db_session.commit()
     except BaseException:
@@ -270,7 +275,7 @@ async def fork_snapshot(
         try:
             opened = await forking
         except Exception as exc:
-            logger.warning("fork of snapshot %s failed: %s", record.id, exc)
+            logger.warning("fork of snapshot %s failed: %s", snapshot_id, exc)
             failure = exc
     else:
         await asyncio.shield(_release_forks(runtime, forking, ids))
@@ -282,10 +287,10 @@ async def fork_snapshot(
             await sessions_service._release(runtime, session_id)
         await collect_garbage(db_session=db_session, runtime=runtime, node=node)
         raise failure
-    observation = record.state.get("observation") or await _instruction(db_session, record.task_id)
+    observation = known.state.get("observation") or await _instruction(db_session, known.task_id)
     out: list[tuple[EnvSession, OpenedView]] = []
     for row, one in zip(rows, opened, strict=True):
-        claim = functools.partial(_claim_sandbox, session_id=row.id, sandbox=one.sandbox, task_id=record.task_id,
+        claim = functools.partial(_claim_sandbox, session_id=row.id, sandbox=one.sandbox, task_id=known.task_id,
                                   runtime=runtime)
         if gate is not None and gate.write_behind:  # like a step's record: written behind the answer, in order
             engine = db_session.bind
@@ -301,8 +306,8 @@ async def fork_snapshot(
         set_committed_value(row, "backend", one.sandbox.backend)
         out.append((row, OpenedWire(session_id=one.session_id, sandbox=SandboxWire.of(one.sandbox),
                                     observation=observation, tools=one.tools)))
-    logger.info("snapshot %s forked into %s", record.id, ", ".join(ids))
-    return record, out
+    logger.info("snapshot %s forked into %s", snapshot_id, ", ".join(ids))
+    return out
 
 
 async def _claim_sandbox(

@@ -227,20 +227,21 @@ async def test_a_fork_of_a_snapshot_this_process_recorded_restores_while_its_row
     source = await gateway.open_session(task["id"])
     snap = await snapshot(gateway, source["id"])
     order: list[str] = []
-    real_fork, real_get = gateway.runtime.fork_session, snapshots_service.get_snapshot
+    real_fork, real_live = gateway.runtime.fork_session, snapshots_service._live
 
     async def fork_session(*args, **kwargs):
         order.append("restore")
         return await real_fork(*args, **kwargs)
 
-    async def get_snapshot(**kwargs):
+    async def live(db_session, snapshot_id):
         order.append("read")
-        return await real_get(**kwargs)
+        return await real_live(db_session, snapshot_id)
 
     monkeypatch.setattr(gateway.runtime, "fork_session", fork_session)
-    monkeypatch.setattr(snapshots_service, "get_snapshot", get_snapshot)
+    monkeypatch.setattr(snapshots_service, "_live", live)
     (child,) = await fork(gateway, snap["id"], 1)
-    assert order == ["restore", "read"] and child["steps"] == 0 and child["snapshot_id"] == snap["id"]
+    # Its row is read twice beside the restore: before the forks' rows go in and after.
+    assert order == ["restore", "read", "read"] and child["steps"] == 0 and child["snapshot_id"] == snap["id"]
     # Deleted (but known here): the restore that started is undone and the answer is 404.
     assert (await gateway.client.post(f"/v1/snapshots/{snap['id']}/pin")).status_code == 200
     assert (await gateway.client.post(f"/v1/snapshots/{snap['id']}/unpin")).status_code == 200
