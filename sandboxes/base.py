@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import builtins
 import collections
+import contextlib
+import contextvars
 import enum
 import posixpath
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -280,6 +282,34 @@ class SandboxBackend(Protocol):
 
     async def aclose(self) -> None:
         """Release the backend's own resources (not the sandboxes)."""
+
+
+_launched_hook: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "sandboxes_launched_hook", default=None)
+
+
+@contextlib.contextmanager
+def on_launched(callback: Callable[[], None]) -> Iterator[None]:
+    """Have ``callback`` called when a sandbox that the block creates or restores is launched.
+
+    Launched: its start has left this process (the local backend's runtime process is
+    spawned; the Docker engine is asked), so what remains is mostly waiting, and the
+    caller's own work fits there without slowing the start. Tasks started in the block
+    call it too. It runs in the event loop's thread, once per sandbox (so perhaps more
+    than once), and a backend that does not say so never calls it.
+    """
+    token = _launched_hook.set(callback)
+    try:
+        yield
+    finally:
+        _launched_hook.reset(token)
+
+
+def announce_launched() -> None:
+    """Tell the caller of :func:`on_launched`, if any, that a sandbox was launched (a backend calls this)."""
+    callback = _launched_hook.get()
+    if callback is not None:
+        callback()
 
 
 def normalize_sandbox_path(path: str, workdir: str = "/") -> str:

@@ -69,6 +69,7 @@ from sandboxes.base import (
     SandboxLedger,
     SandboxSpec,
     SandboxState,
+    announce_launched,
     create_cancel_safe,
     normalize_sandbox_path,
 )
@@ -1206,9 +1207,11 @@ class DockerBackend:
         )
         command = restore_command(env, snapshot.cwd, keep=["HOSTNAME"])
 
-        return await start_branches(
-            self, snapshot, n, create=lambda: self.create(eff), command=command, timeout_s=_READY_TIMEOUT_S
-        )
+        async def create() -> SandboxInfo:
+            announce_launched()  # the engine does the rest
+            return await self.create(eff)
+
+        return await start_branches(self, snapshot, n, create=create, command=command, timeout_s=_READY_TIMEOUT_S)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Untag the snapshot image and delete every untagged snapshot image of this node nothing uses.

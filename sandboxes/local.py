@@ -69,6 +69,7 @@ from sandboxes.base import (
     SandboxLedger,
     SandboxSpec,
     SandboxState,
+    announce_launched,
     create_cancel_safe,
     normalize_sandbox_path,
 )
@@ -1317,6 +1318,7 @@ class LocalBackend:
         if gvisor:  # gVisor's kernel has a clock of its own: read it, to place commands on it
             ready += ' && { read -r __fy_up _ < /proc/uptime; printf "\\n%s\\n" "$__fy_up"; unset __fy_up; }'
         process = await _ShellProcess.spawn(self._shell_argv(sb, cwd, env), {"PATH": DEFAULT_PATH})
+        announce_launched()  # the runtime starts the sandbox in a process of its own from here
         shell = _Shell(process=process, pid=process.pid, init_pid=0, init_start=None)
         # Joining a cgroup waits for an RCU grace period (milliseconds) unless a process joined
         # one just before, so the cgroup is made and the runtime joins it from a thread while the

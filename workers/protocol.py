@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal, Protocol, Self, runtime_checkable
 
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -531,6 +531,11 @@ class WorkerClient(Protocol):
     """True: the worker loads a session's task itself by its id (the ``forkyard.task`` label), so the
     gateway passes ``task=None``; False: the gateway passes the decoded task."""
 
+    sole_gateway: bool
+    """True: every call on a session it holds comes through this process (the embedded mode), so
+    the gateway may keep what it knows of an open session in memory; False: other gateways step
+    its sessions too (the distributed mode)."""
+
     async def open_session(self, session_id: str, task: Any, *, labels: Mapping[str, str] | None = None,
                            env_version: str = "") -> OpenedView: ...
 
@@ -550,7 +555,16 @@ class WorkerClient(Protocol):
         ...
 
     async def fork_session(self, snapshot: Any, new_session_ids: list[str], task: Any, *,
-                           labels: Mapping[str, str] | None = None) -> Sequence[OpenedView]: ...
+                           labels: Mapping[str, str] | None = None,
+                           launched: Callable[[], None] | None = None) -> Sequence[OpenedView]:
+        """Start one session per id, continuing from ``snapshot``.
+
+        ``launched`` (optional) is called, in the event loop's thread and perhaps more than
+        once, when the forks' starts no longer need this process (their sandboxes' processes
+        are spawned, or another host does the work): the caller's own work fits there.
+        It may never be called.
+        """
+        ...
 
     async def delete_snapshot(self, snapshot_id: str, *, node: str | None = None) -> None: ...
 

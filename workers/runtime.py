@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sandboxes.base import LABEL_OWNER, SandboxBackend, SandboxInfo
+from sandboxes.base import LABEL_OWNER, SandboxBackend, SandboxInfo, on_launched
 from sandboxes.errors import SandboxCrashedError, SandboxError, SandboxNotFoundError
 from workers.envs.base import (
     Action,
@@ -88,6 +89,8 @@ class WorkerRuntime:
 
     loads_tasks = False
     """The gateway hands it decoded tasks (:attr:`workers.protocol.WorkerClient.loads_tasks`)."""
+    sole_gateway = True
+    """Its sessions live in this process: the gateway here is the only one calling them."""
 
     def __init__(
         self,
@@ -361,17 +364,19 @@ class WorkerRuntime:
 
     async def fork_session(
         self, snapshot: EnvSnapshot, new_session_ids: list[str], task: EnvTask, *,
-        labels: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None, launched: Callable[[], None] | None = None,
     ) -> list[SessionOpened]:
         """Restore one sandbox per new session id and continue the episode from ``snapshot`` in each.
 
         All or nothing: if one restore fails, the sandboxes already made are destroyed.
+        ``launched``: see :meth:`workers.protocol.WorkerClient.fork_session` (the backend says when).
         """
         taken = [s for s in new_session_ids if s in self._envs]
         if taken or len(set(new_session_ids)) != len(new_session_ids):
             raise ActionError(f"sessions {', '.join(taken) or 'given twice'} are already open")
-        envs = await self.restore_envs(
-            snapshot, task, [{LABEL_OWNER: s, "forkyard.task": task.name, **(labels or {})} for s in new_session_ids])
+        with on_launched(launched) if launched is not None else contextlib.nullcontext():
+            envs = await self.restore_envs(snapshot, task, [
+                {LABEL_OWNER: s, "forkyard.task": task.name, **(labels or {})} for s in new_session_ids])
         opened = []
         for session_id, env in zip(new_session_ids, envs, strict=True):
             assert env.sandbox is not None

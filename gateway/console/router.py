@@ -308,6 +308,7 @@ async def resize_pool(db_session: DbSession, admin: Action, node: Annotated[str,
 async def cache_page(request: Request, db_session: DbSession, admin: Operator, page: int = Query(1, ge=1),
                      nodes_page: int = Query(1, ge=1)):
     caches = queries.setup_caches(await queries.nodes(db_session))
+    await (await get_step_gate(request)).settle()  # snapshot rows are written behind their answers
     return render(request, "cache.html", caches=queries.page_list(caches, nodes_page),
                   snapshots=await queries.snapshots(db_session, page))
 
@@ -326,6 +327,7 @@ async def evict_cache(db_session: DbSession, admin: Action, node: Annotated[str,
 
 @router.post("/snapshots/{snapshot_id}/{verb}")
 async def snapshot_action(request: Request, snapshot_id: str, verb: str, db_session: DbSession, admin: Action):
+    await (await get_step_gate(request)).settle()
     try:
         if verb in ("pin", "unpin"):
             await snapshots_service.set_pinned(db_session=db_session, runtime=_runtime(request),

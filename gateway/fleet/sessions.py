@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy import select
@@ -45,6 +45,8 @@ class FleetRuntime:
     backend_name = "fleet"
     loads_tasks = True
     """The node loads a session's task by its id (the gateway decodes nothing)."""
+    sole_gateway = False
+    """Any gateway may step a session it routes: it keeps nothing of a session's progress."""
 
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession]) -> None:
         self._sessionmaker = sessionmaker
@@ -163,13 +165,16 @@ class FleetRuntime:
         return SnapshotWire(data)
 
     async def fork_session(self, snapshot: SnapshotWire, new_session_ids: list[str], task: Any, *,
-                           labels: Mapping[str, str] | None = None) -> list[OpenedWire]:
-        """Start the forks on the node holding the snapshot."""
+                           labels: Mapping[str, str] | None = None,
+                           launched: Callable[[], None] | None = None) -> list[OpenedWire]:
+        """Start the forks on the node holding the snapshot (``launched`` at once: the node does the work)."""
         data = snapshot.to_json()
         node = snapshot.sandbox.node
         labels = dict(labels or {})
         for session_id in new_session_ids:
             self._where[session_id] = node
+        if launched is not None:
+            launched()
         opened = await self._call(node, "fork_session", snapshot=data, session_ids=new_session_ids,
                                   task_id=labels.get(LABEL_TASK_ID, ""), labels=labels)
         return [OpenedWire.model_validate(o) for o in opened]

@@ -1,4 +1,4 @@
-"""One step at a time per session, closes that win over the step they interrupt, and step records written behind.
+"""One step at a time per session, closes that win over the step they interrupt, and records written behind.
 
 A step's row is written right after its answer, not before it: the write (a short
 transaction) cost more than the rest of the gateway's work on a step. Writes of one
@@ -6,18 +6,42 @@ session run in order; whatever reads a session's steps (its record, its steps, a
 snapshot of it, its close, a terminal step) first waits for that session's pending ones,
 so this process always reads its own writes. A crash can lose the records of the steps
 answered in the last milliseconds, of sessions the restart then marks failed.
+
+A snapshot's row is written behind its answer too, in its session's order: whatever reads
+snapshot rows (a fork, GET, list, pin, delete) settles it first. A crash that loses one
+loses a snapshot of a session the restart marks failed; the restart's sweep frees its storage.
+
+When the runtime holds its sessions in this process alone (``WorkerClient.sole_gateway``),
+the gate also keeps what a snapshot records of each open session (:class:`SessionFacts`),
+so taking one reads nothing from the database.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 
 from gateway.errors import ConflictError
 
 logger = logging.getLogger(__name__)
+
+#: Most sessions whose facts are kept (the oldest go first; a snapshot of one then reads its row).
+MAX_FACTS = 65_536
+
+
+@dataclasses.dataclass
+class SessionFacts:
+    """What a snapshot records of an open session, as its answered steps left it."""
+
+    task_id: str
+    node: str
+    steps: int
+    """Steps answered (inherited ones included): the count its records reach once written."""
+    observation: str | None
+    """The latest step's observation (own or inherited); None before any step."""
 
 
 class StepGate:
@@ -35,9 +59,32 @@ class StepGate:
         self.write_behind = write_behind
         """Whether step records are written after the answer (the app's gate) or before it."""
         self._writes: dict[str, asyncio.Task[None]] = {}  # the latest pending write of each session
+        self._facts: dict[str, SessionFacts] = {}
+
+    def know(self, session_id: str, facts: SessionFacts) -> None:
+        """Keep ``facts`` of an open session this process alone steps (see the module's note)."""
+        self._facts.pop(session_id, None)
+        self._facts[session_id] = facts
+        while len(self._facts) > MAX_FACTS:
+            self._facts.pop(next(iter(self._facts)))
+
+    def facts(self, session_id: str) -> SessionFacts | None:
+        """Return the kept facts of ``session_id``, or None (then its row tells)."""
+        return self._facts.get(session_id)
+
+    def stepped(self, session_id: str, observation: str) -> None:
+        """Count an answered step of ``session_id`` in its facts, if any are kept."""
+        facts = self._facts.get(session_id)
+        if facts is not None:
+            facts.steps += 1
+            facts.observation = observation
+
+    def forget(self, session_id: str) -> None:
+        """Drop the facts of a session that ended."""
+        self._facts.pop(session_id, None)
 
     def record(self, session_id: str, write: Callable[[], Awaitable[None]]) -> None:
-        """Run ``write`` (a session step's record) after the session's earlier ones, in the background."""
+        """Run ``write`` (a record of the session: a step, a snapshot) after its earlier ones, in the background."""
         earlier = self._writes.get(session_id)
 
         async def in_order() -> None:
@@ -46,7 +93,7 @@ class StepGate:
             try:
                 await write()
             except Exception:
-                logger.exception("session %s: writing a step's record failed", session_id)
+                logger.exception("session %s: writing a record failed", session_id)
 
         task = asyncio.ensure_future(in_order())
         self._writes[session_id] = task
@@ -54,7 +101,7 @@ class StepGate:
                                else None)
 
     async def settle(self, session_id: str | None = None) -> None:
-        """Wait until the step records of ``session_id`` (every session's, if None) are written."""
+        """Wait until the records of ``session_id`` (every session's, if None) are written."""
         pending = [self._writes[session_id]] if session_id in self._writes else []
         if session_id is None:
             pending = list(self._writes.values())
@@ -89,4 +136,4 @@ class StepGate:
         return session_id in self._closing
 
 
-__all__ = ["StepGate"]
+__all__ = ["SessionFacts", "StepGate"]

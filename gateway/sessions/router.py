@@ -25,12 +25,13 @@ router = APIRouter(prefix="/sessions", tags=["sessions"])
 
 @router.post("", status_code=201, response_model=SessionCreated)
 async def open_session(
-    body: SessionCreate, db_session: DbSession, runtime: Runtime, settings: CurrentSettings, node: SessionNode
+    body: SessionCreate, db_session: DbSession, runtime: Runtime, settings: CurrentSettings, node: SessionNode,
+    gate: Gate,
 ):
     """Open a session on a task; answers its first observation and tools."""
     row, opened = await service.open_session(
         db_session=db_session, runtime=runtime, task_id=body.task_id, node=node,
-        max_open=settings.sessions.max_open,
+        max_open=settings.sessions.max_open, gate=gate,
     )
     return SessionCreated(
         id=row.id, task_id=row.task_id, state=row.state, observation=opened.observation, tools=opened.tools,

@@ -20,7 +20,7 @@ from gateway.errors import ConflictError, NotFoundError, RateLimitedError
 from gateway.nodes.models import Node
 from gateway.pagination import page_of, paginate
 from gateway.sandboxes.models import Sandbox
-from gateway.sessions.gate import StepGate
+from gateway.sessions.gate import SessionFacts, StepGate
 from gateway.sessions.models import EnvSession, SessionState, SessionStep
 from gateway.snapshots.collection import collect_garbage, live_backend_snapshot_ids
 from gateway.tasks.models import Task
@@ -166,9 +166,13 @@ def draining_error(node: str) -> ConflictError:
 
 
 async def open_session(
-    *, db_session: AsyncSession, runtime: WorkerClient, task_id: str, node: str, max_open: int
+    *, db_session: AsyncSession, runtime: WorkerClient, task_id: str, node: str, max_open: int,
+    gate: StepGate | None = None,
 ) -> tuple[EnvSession, OpenedView]:
     """Open a session on a task: record it, have the runtime start its sandbox, record the sandbox.
+
+    With a ``gate`` and a runtime that is the :attr:`~workers.protocol.WorkerClient.sole_gateway`,
+    the gate keeps the session's facts (its snapshots then read nothing).
 
     Raises:
         NotFoundError: no such task.
@@ -209,6 +213,8 @@ async def open_session(
         owner_id=row.id,
     ))
     await db_session.commit()
+    if gate is not None and runtime.sole_gateway:
+        gate.know(row.id, SessionFacts(task_id=task.id, node=node, steps=0, observation=None))
     logger.info("session %s opened on task %s in sandbox %s (%s)", row.id, task.id, sandbox.id, sandbox.backend)
     return row, opened
 
@@ -278,6 +284,7 @@ async def _step_once(
         if gate.is_closing(session_id):
             raise  # the close ends the session as closed; step_session answers session_closed
         await _finish(db_session, session_id, SessionState.CLOSED, error="the worker had already ended the session")
+        gate.forget(session_id)
         await _release(runtime, session_id)
         raise
     except SessionNotFoundError as exc:
@@ -285,6 +292,7 @@ async def _step_once(
             raise
         await _finish(db_session, session_id, SessionState.FAILED,
                       error="the worker does not know the session (it restarted or lost the sandbox)")
+        gate.forget(session_id)
         await _release(runtime, session_id)
         raise ConflictError(
             f"Session {session_id!r} is no longer live on its worker (it restarted or lost the sandbox); "
@@ -294,6 +302,7 @@ async def _step_once(
         if gate.is_closing(session_id):
             raise
         await _finish(db_session, session_id, SessionState.FAILED, error=_error_text(exc))
+        gate.forget(session_id)
         await _release(runtime, session_id)
         raise
     if result.reward is not None and not math.isfinite(result.reward):
@@ -308,6 +317,10 @@ async def _step_once(
         "created_at": utcnow(),
     }
     ended = result.terminated or result.truncated
+    if ended:
+        gate.forget(session_id)
+    else:
+        gate.stepped(session_id, result.observation)
     if gate.write_behind and not ended:
         engine = db_session.bind
 
@@ -337,6 +350,7 @@ async def close_session(
     await db_session.commit()
     gate = gate or StepGate()
     with gate.closing(session_id):
+        gate.forget(session_id)
         await runtime.close_session(session_id)
         await gate.settle(session_id)
         await _finish(db_session, session_id, SessionState.CLOSED)

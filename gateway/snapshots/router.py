@@ -31,8 +31,8 @@ def _read(record: SnapshotRecord) -> SnapshotRead:
 @router.post("/sessions/{session_id}/snapshot", status_code=201, response_model=SnapshotRead)
 async def snapshot_session(session_id: str, db_session: DbSession, runtime: Runtime, gate: Gate):
     """Snapshot an open session (filesystem, shell cwd and exports, history); not its background processes."""
-    await gate.settle(session_id)  # its step count and last observation are read from the records
-    return _read(await service.snapshot_session(db_session=db_session, runtime=runtime, session_id=session_id))
+    return _read(await service.snapshot_session(db_session=db_session, runtime=runtime, session_id=session_id,
+                                                gate=gate))
 
 
 @router.post("/snapshots/{snapshot_id}/fork", status_code=201, response_model=ForkedSessions)
@@ -57,11 +57,13 @@ async def fork_snapshot(
 @router.get("/snapshots", response_model=SnapshotPage)
 async def list_snapshots(
     db_session: DbSession,
+    gate: Gate,
     session_id: str | None = None,
     limit: int = Query(DEFAULT_LIMIT, ge=1, le=MAX_LIMIT),
     cursor: str | None = None,
 ):
     """List live snapshots, oldest first, optionally of one source session."""
+    await gate.settle()  # snapshot rows are written behind their answers
     rows, next_cursor = await service.list_snapshots(
         db_session=db_session, session_id=session_id or None, limit=limit, cursor=cursor
     )
@@ -69,27 +71,31 @@ async def list_snapshots(
 
 
 @router.get("/snapshots/{snapshot_id}", response_model=SnapshotRead)
-async def get_snapshot(snapshot_id: str, db_session: DbSession):
+async def get_snapshot(snapshot_id: str, db_session: DbSession, gate: Gate):
     """Return one snapshot."""
+    await gate.settle()
     return _read(await service.get_snapshot(db_session=db_session, snapshot_id=snapshot_id))
 
 
 @router.delete("/snapshots/{snapshot_id}", status_code=204, response_class=Response)
-async def delete_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime):
+async def delete_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime, gate: Gate):
     """Delete a snapshot (409 if pinned); its storage goes once no open fork holds it."""
+    await gate.settle()
     await service.delete_snapshot(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id)
     return Response(status_code=204)
 
 
 @router.post("/snapshots/{snapshot_id}/pin", response_model=SnapshotRead)
-async def pin_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime):
+async def pin_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime, gate: Gate):
     """Pin a snapshot: it cannot be deleted, and outlives its session and forks, until unpinned."""
+    await gate.settle()
     return _read(await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id,
                                           pinned=True))
 
 
 @router.post("/snapshots/{snapshot_id}/unpin", response_model=SnapshotRead)
-async def unpin_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime):
+async def unpin_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime, gate: Gate):
     """Unpin a snapshot; one that nothing else holds (open source session or fork) is deleted."""
+    await gate.settle()
     return _read(await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id,
                                           pinned=False))

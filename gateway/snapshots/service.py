@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -27,9 +27,9 @@ from gateway.errors import ConflictError, NotFoundError, RateLimitedError
 from gateway.pagination import page_of, paginate
 from gateway.sandboxes.models import Sandbox
 from gateway.sessions import service as sessions_service
-from gateway.sessions.gate import StepGate
+from gateway.sessions.gate import SessionFacts, StepGate
 from gateway.sessions.models import EnvSession, SessionState, SessionStep
-from gateway.snapshots.collection import collect_garbage
+from gateway.snapshots.collection import backend_snapshot_id, collect_garbage
 from gateway.snapshots.models import SnapshotRecord
 from gateway.tasks.models import Task
 from gateway.tasks.service import load_task
@@ -89,22 +89,83 @@ _SOURCE = select(
 
 
 async def snapshot_session(
-    *, db_session: AsyncSession, runtime: WorkerClient, session_id: str
+    *, db_session: AsyncSession, runtime: WorkerClient, session_id: str, gate: StepGate | None = None
 ) -> SnapshotRecord:
     """Snapshot an open session: its sandbox, its env state and how far its history goes.
 
-    The caller settles the session's step records first (the gate): the step count and
-    last observation recorded are those of the steps answered before the snapshot. The
-    record's reads run while the backend copies the sandbox; only its insert comes after.
+    The step count and last observation recorded are those of the steps answered before
+    the snapshot. With a ``gate`` that keeps the session's facts, nothing is read; else the
+    session's step records are settled and read while the backend copies the sandbox.
+    With a write-behind ``gate``, the row is written behind the answer in the session's
+    order (readers of snapshot rows settle it first); without, before it.
 
     Raises:
         NotFoundError: no such session.
         ConflictError: the session is not open (code ``session_closed``).
     """
     # A session the runtime holds is open (it lets go only after the row left ``open``).
+    facts = gate.facts(session_id) if gate is not None and runtime.has_session(session_id) else None
     snapping = asyncio.ensure_future(runtime.snapshot_session(
         session_id, metadata={"session_id": session_id, SESSION_SNAPSHOT_KEY: session_id}))
+    if facts is None:
+        facts = await _source_facts(db_session, runtime, session_id, snapping, gate)
+        if gate is not None and runtime.sole_gateway and runtime.has_session(session_id):
+            gate.know(session_id, dataclasses.replace(facts))
     try:
+        snap = await snapping
+    except SessionNotFoundError as exc:
+        raise ConflictError(f"Session {session_id!r} is no longer live on its worker; it cannot be snapshotted.",
+                            code="session_closed") from exc
+    try:
+        observation = facts.observation
+        if observation is None:  # no step yet: a fork starts where the session did
+            observation = await _instruction(db_session, facts.task_id)
+        record = SnapshotRecord(
+            id=new_id("snap"), node=facts.node, backend=snap.sandbox.backend, session_id=session_id,
+            task_id=facts.task_id, kind=KIND_MANUAL, pinned=False, created_at=utcnow(),
+            state={"session": snap.to_json(), "steps": facts.steps, "observation": observation},
+        )  # fmt: skip
+    except BaseException:  # unrecorded, nothing would ever free it
+        await asyncio.shield(runtime.delete_snapshot(snap.id, node=facts.node))
+        raise
+    known_snapshots.put(record)
+    if gate is not None and gate.write_behind:
+        gate.record(session_id, functools.partial(_write_snapshot, db_session.bind, runtime, record))
+    else:
+        await _insert_snapshot(db_session, runtime, record)
+    logger.info("session %s: snapshot %s (backend %s)", session_id, record.id, snap.id)
+    return record
+
+
+_SNAPSHOT_INSERT = insert(SnapshotRecord.__table__)
+
+
+async def _insert_snapshot(db_session: AsyncSession, runtime: WorkerClient, record: SnapshotRecord) -> None:
+    """Write a snapshot's row; if that fails, free its backend snapshot (nothing else ever would)."""
+    values = {c.key: getattr(record, c.key) for c in SnapshotRecord.__table__.columns}
+    try:
+        await db_session.execute(_SNAPSHOT_INSERT, values)
+        await db_session.commit()
+    except BaseException:
+        known_snapshots.drop(record.id)
+        await asyncio.shield(runtime.delete_snapshot(backend_snapshot_id(record), node=record.node))
+        raise
+
+
+async def _write_snapshot(engine: Any, runtime: WorkerClient, record: SnapshotRecord) -> None:
+    """Write a snapshot's row behind its answer (the gate runs it in its session's order)."""
+    async with AsyncSession(engine, expire_on_commit=False) as db:
+        await _insert_snapshot(db, runtime, record)
+
+
+async def _source_facts(
+    db_session: AsyncSession, runtime: WorkerClient, session_id: str, snapping: asyncio.Future,
+    gate: StepGate | None,
+) -> SessionFacts:
+    """Read what a snapshot records of its source session while the backend copies; free the copy if it is not open."""
+    try:
+        if gate is not None:
+            await gate.settle(session_id)  # its step count and last observation are read from the records
         source, observation = await _read_source(db_session, session_id)
     except BaseException:
         await _drop_snapshot(runtime, snapping)
@@ -115,27 +176,7 @@ async def snapshot_session(
             raise NotFoundError(f"Session {session_id!r} does not exist.")
         raise ConflictError(f"Session {session_id!r} is {source.state.value}; only an open session can be "
                             "snapshotted.", code="session_closed")
-    try:
-        snap = await snapping
-    except SessionNotFoundError as exc:
-        raise ConflictError(f"Session {session_id!r} is no longer live on its worker; it cannot be snapshotted.",
-                            code="session_closed") from exc
-    try:
-        if observation is None:  # no step yet: a fork starts where the session did
-            observation = await _instruction(db_session, source.task_id)
-        record = SnapshotRecord(
-            id=new_id("snap"), node=source.node, backend=snap.sandbox.backend, session_id=session_id,
-            task_id=source.task_id, kind=KIND_MANUAL, pinned=False, created_at=utcnow(),
-            state={"session": snap.to_json(), "steps": source.steps, "observation": observation},
-        )  # fmt: skip
-        db_session.add(record)
-        await db_session.commit()
-    except BaseException:  # unrecorded, nothing would ever free it
-        await asyncio.shield(runtime.delete_snapshot(snap.id, node=source.node))
-        raise
-    known_snapshots.put(record)
-    logger.info("session %s: snapshot %s (backend %s)", session_id, record.id, snap.id)
-    return record
+    return SessionFacts(task_id=source.task_id, node=source.node, steps=source.steps, observation=observation)
 
 
 async def _read_source(db_session: AsyncSession, session_id: str) -> tuple[Any, str | None]:
@@ -196,6 +237,10 @@ class KnownSnapshots:
         """Return what is known of the snapshot, or None."""
         return self._known.get(snapshot_id)
 
+    def drop(self, snapshot_id: str) -> None:
+        """Forget a snapshot (its row was never written)."""
+        self._known.pop(snapshot_id, None)
+
     def put(self, record: SnapshotRecord) -> KnownSnapshot:
         """Remember a snapshot row's unchanging part; return it."""
         known = KnownSnapshot(task_id=record.task_id, session_id=record.session_id, state=record.state)
@@ -217,8 +262,9 @@ async def fork_snapshot(
     """Start ``n`` sessions continuing from a snapshot; each inherits the history up to it.
 
     The restore starts first when this process knows the snapshot (:data:`known_snapshots`);
-    its row is read (live? its node draining? under the node's limit?) and the forks' rows
-    written while the backend restores their sandboxes. If a check fails or the snapshot turns out deleted
+    once it is launched (see ``WorkerClient.fork_session``), its row is read (live? its node
+    draining? under the node's limit?) and the forks' rows written while the backend
+    restores their sandboxes. If a check fails or the snapshot turns out deleted
     meanwhile, the sandboxes are freed and the forks fail. No sandbox starts past the
     runtime's own count of open sessions.
     With a write-behind ``gate``, each fork's sandbox is recorded behind the answer, as
@@ -231,6 +277,8 @@ async def fork_snapshot(
     known = known_snapshots.get(snapshot_id)
     read = known is None
     if known is None:  # written by another process (or long ago): read it before anything starts
+        if gate is not None:
+            await gate.settle()  # a row being written is known, unless forgotten since (thousands later)
         known = known_snapshots.put(await get_snapshot(db_session=db_session, snapshot_id=snapshot_id))
     node = node or str(known.state["session"]["sandbox"].get("node") or "")  # "": where the snapshot is
     # No sandbox starts past the limit (the runtime's count; the database's is read beside the restore,
@@ -248,13 +296,19 @@ async def fork_snapshot(
         for _ in range(n)
     ]
     ids = [r.id for r in rows]
+    launched = asyncio.get_running_loop().create_future()
     forking = asyncio.ensure_future(runtime.fork_session(
         runtime.snapshot_from_json(known.state["session"]), ids, task,
         labels={sessions_service.LABEL_TASK_ID: known.task_id},
+        launched=lambda: launched.done() or launched.set_result(None),
     ))
-    await asyncio.sleep(0)  # the restore starts now, before the reads below
+    # The reads below wait until the restore has left this process (or ended): run beside its
+    # first steps (the overlay, the runtime's spawn), they slowed them more than they took.
+    await asyncio.wait([launched, forking], return_when=asyncio.FIRST_COMPLETED)
     failure: BaseException | None = None
     try:
+        if not read and gate is not None:
+            await gate.settle(known.session_id)  # its row, if written behind the snapshot's answer
         if not read and not await _live(db_session, snapshot_id):  # its columns only: the state is known
             raise NotFoundError(f"Snapshot {snapshot_id!r} does not exist.")
         draining, open_count = await sessions_service.admission(db_session=db_session, node=node)
@@ -302,6 +356,9 @@ async def fork_snapshot(
             gate.record(row.id, write)
         else:
             await claim(db_session=db_session)
+        if gate is not None and runtime.sole_gateway:
+            gate.know(row.id, SessionFacts(task_id=known.task_id, node=node, steps=steps,
+                                           observation=known.state.get("observation")))
         set_committed_value(row, "sandbox_id", one.sandbox.id)
         set_committed_value(row, "backend", one.sandbox.backend)
         out.append((row, OpenedWire(session_id=one.session_id, sandbox=SandboxWire.of(one.sandbox),

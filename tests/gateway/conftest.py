@@ -52,6 +52,7 @@ class FakeRuntime:
     """An in-memory WorkerRuntime: sandboxes are dicts; bash echoes; submit rewards 'solve' commands."""
 
     loads_tasks = False
+    sole_gateway = True
 
     def __init__(self, node: str = NODE) -> None:
         self.node = node
@@ -165,7 +166,10 @@ class FakeRuntime:
         return SessionSnapshot.from_json(data)
 
     async def fork_session(self, snapshot: SessionSnapshot, new_session_ids: list[str], task: TerminalTask, *,
-                           labels: Mapping[str, str] | None = None) -> list[SessionOpened]:
+                           labels: Mapping[str, str] | None = None,
+                           launched: Callable[[], None] | None = None) -> list[SessionOpened]:
+        if launched is not None:
+            launched()
         state = self.snapshots.get(snapshot.id)
         if state is None:
             raise SandboxNotFoundError(f"no snapshot {snapshot.id!r} on node {self.node!r}")

@@ -221,6 +221,8 @@ async def test_fork_respects_the_open_session_limit(tmp_path):
 
 async def test_a_fork_of_a_snapshot_this_process_recorded_restores_while_its_row_is_read(gateway, monkeypatch):
     """The row's checks (live? under the limit?) run beside the restore, which is undone when they fail."""
+    import asyncio
+
     from gateway.snapshots import service as snapshots_service
 
     task = await gateway.import_task("eager")
@@ -229,9 +231,15 @@ async def test_a_fork_of_a_snapshot_this_process_recorded_restores_while_its_row
     order: list[str] = []
     real_fork, real_live = gateway.runtime.fork_session, snapshots_service._live
 
-    async def fork_session(*args, **kwargs):
+    async def fork_session(*args, launched, **kwargs):
         order.append("restore")
-        return await real_fork(*args, **kwargs)
+        await asyncio.sleep(0.01)  # the reads wait for the launch
+
+        def say_launched():
+            order.append("launched")
+            launched()
+
+        return await real_fork(*args, launched=say_launched, **kwargs)
 
     async def live(db_session, snapshot_id):
         order.append("read")
@@ -240,8 +248,8 @@ async def test_a_fork_of_a_snapshot_this_process_recorded_restores_while_its_row
     monkeypatch.setattr(gateway.runtime, "fork_session", fork_session)
     monkeypatch.setattr(snapshots_service, "_live", live)
     (child,) = await fork(gateway, snap["id"], 1)
-    # Its row is read twice beside the restore: before the forks' rows go in and after.
-    assert order == ["restore", "read", "read"] and child["steps"] == 0 and child["snapshot_id"] == snap["id"]
+    # Its row is read twice once the restore is launched: before the forks' rows go in and after.
+    assert order == ["restore", "launched", "read", "read"] and child["steps"] == 0 and child["snapshot_id"] == snap["id"]
     # Deleted (but known here): the restore that started is undone and the answer is 404.
     assert (await gateway.client.post(f"/v1/snapshots/{snap['id']}/pin")).status_code == 200
     assert (await gateway.client.post(f"/v1/snapshots/{snap['id']}/unpin")).status_code == 200
@@ -263,8 +271,9 @@ async def test_a_fork_closed_while_it_starts_stays_closed_and_keeps_no_sandbox(g
     started, release = asyncio.Event(), asyncio.Event()
     real_fork = gateway.runtime.fork_session
 
-    async def slow_fork(*args, **kwargs):
+    async def slow_fork(*args, launched, **kwargs):
         started.set()
+        launched()  # and slow to finish: the forks' rows are written meanwhile
         await release.wait()
         return await real_fork(*args, **kwargs)
 
@@ -287,3 +296,100 @@ async def test_a_fork_closed_while_it_starts_stays_closed_and_keeps_no_sandbox(g
     assert states[doomed] == "closed" and sorted(states.values()) == ["closed", "open"]
     assert doomed not in gateway.runtime.sessions  # its sandbox went with it
     assert set(gateway.runtime.sessions) == {source["id"]} | {i for i, st in states.items() if st == "open"}
+
+
+async def test_a_snapshot_of_a_session_this_process_steps_reads_no_row_and_its_own_is_written_behind(
+    gateway, monkeypatch
+):
+    """The gate's facts give the step count and observation; the row follows the answer, read back settled."""
+    from gateway.snapshots import service as snapshots_service
+
+    async def no_read(*args, **kwargs):
+        raise AssertionError("the source session's row was read")
+
+    task = await gateway.import_task("facts")
+    source = await gateway.open_session(task["id"])
+    for command in ("echo one", "echo two", "echo three"):
+        last = await step(gateway, source["id"], command)
+    monkeypatch.setattr(snapshots_service, "_read_source", no_read)
+    snap = await snapshot(gateway, source["id"])
+    assert snap["steps"] == 3
+    # Read back at once: GET settles the row written behind the answer.
+    read = (await gateway.client.get(f"/v1/snapshots/{snap['id']}")).json()
+    assert read["steps"] == 3 and read["session_id"] == source["id"]
+    (child,) = await fork(gateway, snap["id"], 1)
+    assert child["observation"] == last["observation"] and child["steps"] == 3
+    # The fork's facts carry on from the snapshot: its own snapshot counts both.
+    await step(gateway, child["id"], "echo four")
+    again = await snapshot(gateway, child["id"])
+    assert again["steps"] == 4
+    (grandchild,) = await fork(gateway, again["id"], 1)
+    history = await steps_of(gateway, grandchild["id"])
+    assert [h["action"]["arguments"]["command"] for h in history] == ["echo one", "echo two", "echo three", "echo four"]
+    assert grandchild["observation"] == history[-1]["observation"]
+
+
+async def test_a_snapshot_without_kept_facts_reads_the_row_as_the_facts_would_say(gateway):
+    """A session whose facts the gate dropped (or another gateway's) is read from its records: same answer."""
+    from gateway.dependencies import step_gate_of
+
+    task = await gateway.import_task("no-facts")
+    source = await gateway.open_session(task["id"])
+    await step(gateway, source["id"], "echo one")
+    last = await step(gateway, source["id"], "echo two")
+    gate = step_gate_of(gateway.app)
+    kept = gate.facts(source["id"])
+    assert kept is not None and (kept.steps, kept.observation) == (2, last["observation"])
+    gate.forget(source["id"])
+    snap = await snapshot(gateway, source["id"])
+    assert snap["steps"] == 2
+    (child,) = await fork(gateway, snap["id"], 1)
+    assert child["observation"] == last["observation"]
+    relearned = gate.facts(source["id"])  # the read is kept for the next snapshot
+    assert relearned is not None and (relearned.steps, relearned.observation) == (2, last["observation"])
+    # A terminal step or a close drops them.
+    await gateway.client.delete(f"/v1/sessions/{source['id']}")
+    assert gate.facts(source["id"]) is None
+
+
+async def test_a_snapshot_row_that_cannot_be_written_frees_its_backend_snapshot(gateway, monkeypatch, caplog):
+    from sqlalchemy import text
+
+    from gateway.snapshots import service as snapshots_service
+
+    task = await gateway.import_task("lost-row")
+    source = await gateway.open_session(task["id"])
+    await step(gateway, source["id"], "echo one")
+    monkeypatch.setattr(snapshots_service, "_SNAPSHOT_INSERT", text("INSERT INTO no_such_table VALUES (1)"))
+    snap = await snapshot(gateway, source["id"])  # answered before its row is written
+    assert_error(await gateway.client.get(f"/v1/snapshots/{snap['id']}"), 404, "not_found")
+    assert "writing a record failed" in caplog.text
+    assert len(gateway.runtime.deleted_snapshots) == 1 and not gateway.runtime.snapshots  # nothing leaks
+    assert snapshots_service.known_snapshots.get(snap["id"]) is None
+    assert_error(await gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 1}), 404, "not_found")
+    assert (await step(gateway, source["id"], "echo two"))["terminated"] is False  # the session goes on
+
+
+async def test_a_fork_whose_restore_never_says_launched_reads_its_row_when_the_restore_ends(gateway, monkeypatch):
+    from gateway.snapshots import service as snapshots_service
+
+    task = await gateway.import_task("unlaunched")
+    source = await gateway.open_session(task["id"])
+    snap = await snapshot(gateway, source["id"])
+    order: list[str] = []
+    real_fork, real_live = gateway.runtime.fork_session, snapshots_service._live
+
+    async def fork_session(*args, launched, **kwargs):  # a runtime that never calls launched
+        opened = await real_fork(*args, **kwargs)
+        order.append("restored")
+        return opened
+
+    async def live(db_session, snapshot_id):
+        order.append("read")
+        return await real_live(db_session, snapshot_id)
+
+    monkeypatch.setattr(gateway.runtime, "fork_session", fork_session)
+    monkeypatch.setattr(snapshots_service, "_live", live)
+    (child,) = await fork(gateway, snap["id"], 1)
+    assert order == ["restored", "read", "read"] and child["snapshot_id"] == snap["id"]
+    assert (await step(gateway, child["id"], "echo on"))["terminated"] is False

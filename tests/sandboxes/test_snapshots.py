@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
 
-from sandboxes.base import SandboxSpec
+from sandboxes.base import SandboxSpec, on_launched
 from sandboxes.shell import TIMEOUT_EXIT_CODE
 from sandboxes.snapshots import (
     BACKGROUND_PROCESSES_KEY,
@@ -155,6 +156,22 @@ async def test_a_restored_sandbox_keeps_the_contract(backend, snaps):
     [grandchild] = await backend.restore(snap2)
     r = await backend.exec(grandchild.id, "cat gen2.txt; cat data.bin | wc -c")
     assert r.stdout == "second\n256\n"
+
+
+async def test_a_restore_says_when_each_branch_is_launched_and_before_it_is_ready(backend, snaps):
+    """``on_launched``: called once per branch, before the restore answers; a restore outside it calls nothing."""
+    info = await backend.create(SPEC)
+    snap = await backend.snapshot(info.id)
+    snaps.append(snap)
+    launches: list[int] = []
+    with on_launched(lambda: launches.append(len(launches))):
+        restoring = asyncio.ensure_future(backend.restore(snap, 2))  # a task started in the block counts too
+    branches = await restoring
+    assert launches == [0, 1] and len(branches) == 2
+    for branch in branches:
+        assert (await backend.exec(branch.id, "echo up")).stdout == "up\n"
+    await backend.restore(snap, 1)
+    assert launches == [0, 1]
 
 
 async def test_delete_snapshot_frees_its_storage_once_unused(backend, snaps):

@@ -50,6 +50,7 @@ def test_both_runtimes_are_worker_clients(tmp_path) -> None:
     assert isinstance(FleetRuntime(sessionmaker=None), WorkerClient)  # type: ignore[arg-type]
     assert isinstance(FakeRuntime(), WorkerClient), "the gateway tests' fake keeps to the protocol too"
     assert WorkerRuntime.loads_tasks is False and FleetRuntime.loads_tasks is True
+    assert WorkerRuntime.sole_gateway is True and FleetRuntime.sole_gateway is False
 
 
 def _through_the_wire(data: dict) -> dict:
