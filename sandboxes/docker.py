@@ -122,8 +122,13 @@ LABEL_KEYS = "forkyard.labels"
 #: Image labels of snapshots: the snapshot's description (JSON) and the node that made it.
 LABEL_SNAPSHOT = "forkyard.snapshot"
 LABEL_SNAPSHOT_NODE = "forkyard.snapshot.node"
-#: Repository of snapshot images still being made: a random tag keeps each from being swept as dangling.
+#: Repository of snapshot images still being made: a random tag names each until it has its own, so
+#: one abandoned mid-call (a snapshot() cancelled while the engine commits) can be found and removed.
 BUILD_REPOSITORY = "forkyard/snapshot-build"
+#: Repository of deleted snapshots whose image a container still used: each is removed, by this tag,
+#: once nothing uses it. Never an untagged image: the engine's commit makes the image before it tags
+#: it, so an untagged image of this node may be a snapshot still being made.
+RETIRED_REPOSITORY = "forkyard/snapshot-retired"
 DEFAULT_DOCKER_URL = "unix:///var/run/docker.sock"
 SHELL_ARGV = ["/bin/bash", "--noprofile", "--norc"]
 
@@ -1038,8 +1043,7 @@ class DockerBackend:
         ``forkyard.snapshot`` label. Background processes are not captured.
 
         The id depends on the image's digest, so the image is first committed under a
-        random tag of :data:`BUILD_REPOSITORY`: tagged at every point until it has its
-        own, it is never one of the dangling images :meth:`delete_snapshot` sweeps.
+        random tag of :data:`BUILD_REPOSITORY`, which names it until it has its own.
         """
         sbx = await self._sandbox(sandbox_id)
         meta = snapshot_metadata(metadata)
@@ -1095,8 +1099,8 @@ class DockerBackend:
 
         The copy is committed under ``build_tag``, which moves from the deep image to it in
         one step; the imported image beneath it is its parent, deleted along with it. Until
-        that commit the imported image has no tag or label for :meth:`delete_snapshot` to
-        sweep, so a failure before it deletes the image here.
+        that commit the imported image has no tag or label to find it by, so a failure
+        before it deletes the image here.
         """
         attrs = await self._call("inspect a snapshot image", self._api.inspect_image, image_id)
         depth = len((attrs.get("RootFS") or {}).get("Layers") or [])
@@ -1159,8 +1163,8 @@ class DockerBackend:
     async def _untag(self, ref: str) -> None:
         """Remove tag ``ref``, and its image if no other tag names it and nothing uses it; never fails.
 
-        What stays is not lost: :meth:`delete_snapshot` sweeps untagged snapshot images and
-        build tags left from an abandoned snapshot.
+        What stays is not lost: :meth:`delete_snapshot` sweeps the build tags an abandoned
+        snapshot left.
         """
         try:
             await self._call("remove a tag", self._api.remove_image, ref)
@@ -1214,25 +1218,30 @@ class DockerBackend:
         return await start_branches(self, snapshot, n, create=create, command=command, timeout_s=_READY_TIMEOUT_S)
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
-        """Untag the snapshot image and delete every untagged snapshot image of this node nothing uses.
+        """Delete the snapshot: its image goes now, or once no container restored from it is left.
 
-        Images still being made carry a build tag, so they are not swept; build tags older
-        than :data:`_ABANDONED_BUILD_S` (a snapshot() cancelled mid-call) are removed.
+        An image still in use is retagged into :data:`RETIRED_REPOSITORY`; every call removes
+        this node's retired images nothing uses any more. Build tags older than
+        :data:`_ABANDONED_BUILD_S` (a snapshot() cancelled mid-call) are removed too.
         """
         self._check_open()
-        ref = f"{SNAPSHOT_REPOSITORY}:{snapshot_id}"
         try:
-            # By tag and forced: only untags while containers still use the image.
-            await self._call("remove a snapshot", self._api.remove_image, ref, force=True)
+            await self._call("retire a snapshot", self._api.tag, f"{SNAPSHOT_REPOSITORY}:{snapshot_id}",
+                             RETIRED_REPOSITORY, snapshot_id)
         except docker.errors.NotFound:
-            pass
-        leftovers = await self._call(
-            "list snapshot images",
+            pass  # deleted before (or never made)
+        else:
+            await self._untag(f"{SNAPSHOT_REPOSITORY}:{snapshot_id}")  # the retired tag still names it
+        retired = await self._call(
+            "list retired snapshot images",
             self._api.images,
-            filters={"dangling": True, "label": f"{LABEL_SNAPSHOT_NODE}={self.node}"},
+            name=RETIRED_REPOSITORY,
+            filters={"label": f"{LABEL_SNAPSHOT_NODE}={self.node}"},
         )
-        for entry in leftovers:
-            await self._drop_image(entry["Id"])
+        for entry in retired:
+            for ref in entry.get("RepoTags") or []:
+                if ref.startswith(f"{RETIRED_REPOSITORY}:"):
+                    await self._drop_image(ref)  # not forced: refused while a container uses it
         await self._sweep_abandoned_builds()
 
     async def _sweep_abandoned_builds(self) -> None:

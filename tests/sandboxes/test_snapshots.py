@@ -343,6 +343,39 @@ async def test_delete_snapshot_sweeps_build_tags_of_abandoned_docker_snapshots(b
 
 
 @pytest.mark.parametrize("backend", ["docker"], indirect=True)
+async def test_delete_snapshot_leaves_an_untagged_image_of_its_node_alone(backend):
+    """The engine makes a commit's image before it tags it: an untagged image may be a snapshot being made.
+
+    Seen when two sandboxes ran their verifiers at once: one's delete_snapshot removed the
+    image the other's commit had just made, and its tag call failed with "No such image".
+    """
+    import docker
+
+    from sandboxes import docker as docker_backend
+
+    info = await backend.create(SPEC)
+    client = docker.from_env()
+    image_id = None
+    try:
+        # What a concurrent snapshot() has between the engine's image create and its tag.
+        image_id = client.api.commit(info.id, conf={"Labels": {docker_backend.LABEL_SNAPSHOT_NODE: backend.node}})["Id"]
+        assert client.images.get(image_id).tags == []
+        snap = await backend.snapshot(info.id)
+        await backend.delete_snapshot(snap.id)
+        await backend.delete_snapshot("0" * 32)
+        assert client.images.get(image_id).id == image_id
+        with pytest.raises(docker.errors.ImageNotFound):
+            client.images.get(snap.digest)
+    finally:
+        if image_id is not None:
+            try:
+                client.images.remove(image_id, force=True)
+            except docker.errors.ImageNotFound:
+                pass
+        client.close()
+
+
+@pytest.mark.parametrize("backend", ["docker"], indirect=True)
 @pytest.mark.parametrize("step", ["create a container to label", "commit a flattened snapshot"])
 async def test_a_failed_docker_flattening_leaves_no_image(backend, monkeypatch, step):
     """The imported image of a flattening has no tag or label to sweep it by: a failure after the import deletes it."""
