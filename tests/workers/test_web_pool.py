@@ -7,7 +7,6 @@ backend rebuilds it per data dir); the pool's claims themselves are backend-agno
 
 from __future__ import annotations
 
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -28,9 +27,8 @@ from workers.trust import SYSTEM_CA_BUNDLE, read_ca_bundle
 pytestmark = pytest.mark.skipif(not docker_available(), reason="needs a Docker engine")
 
 
-async def test_resets_claim_sandboxes_whose_browser_already_runs() -> None:
-    root = Path(tempfile.mkdtemp(prefix="forkyard-web-pool-"))
-    backend = create_backend("docker", node=f"test-web-pool-{uuid.uuid4().hex[:6]}", root_dir=root)
+async def test_resets_claim_sandboxes_whose_browser_already_runs(tmp_path: Path) -> None:
+    backend = create_backend("docker", node=f"test-web-pool-{uuid.uuid4().hex[:6]}", root_dir=tmp_path)
     pool = WarmPool(backend, PoolPolicy(max_idle=2, headroom=1.0, window_s=3600))
     runtime = WorkerRuntime(backend, image_cache_dir=DEFAULT_IMAGE_CACHE, base_image=await base_image(backend),
                             ca_bundle=read_ca_bundle(SYSTEM_CA_BUNDLE), pool=pool)
@@ -65,7 +63,7 @@ async def test_resets_claim_sandboxes_whose_browser_already_runs() -> None:
     assert left == []
 
 
-async def test_a_hung_browser_fails_the_episode_as_infra_and_recycles_the_sandbox() -> None:
+async def test_a_hung_browser_fails_the_episode_as_infra_and_recycles_the_sandbox(tmp_path: Path) -> None:
     """Chromium stopped (SIGSTOP) mid-episode: the step gives up after its budget, the sandbox is destroyed."""
     import signal
 
@@ -73,8 +71,7 @@ async def test_a_hung_browser_fails_the_episode_as_infra_and_recycles_the_sandbo
     from workers.envs.base import Action
     from workers.errors import SessionClosedError
 
-    root = Path(tempfile.mkdtemp(prefix="forkyard-web-hang-"))
-    backend = create_backend("docker", node=f"test-web-hang-{uuid.uuid4().hex[:6]}", root_dir=root)
+    backend = create_backend("docker", node=f"test-web-hang-{uuid.uuid4().hex[:6]}", root_dir=tmp_path)
     runtime = WorkerRuntime(backend, image_cache_dir=DEFAULT_IMAGE_CACHE, base_image=await base_image(backend),
                             ca_bundle=read_ca_bundle(SYSTEM_CA_BUNDLE))
     task = FAMILY.load_task("click-button", read_dir(ROOT / "examples" / "tasks" / "web" / "click-button",
