@@ -9,7 +9,9 @@ root after ``bash .ci/bootstrap``. Everything comes from the same run, on the lo
   8 KB, on one session for ``--steps`` steps; p50 over windows of 20 steps at steps 1, 100
   and ``--steps`` (the history grows as it goes);
 - ``snapshot`` and ``fork`` (n = 1) through the API vs. ``snapshot`` / ``restore(n=1)`` of
-  the backend, on a session (and sandbox) carrying the history above;
+  the backend, on a session (and sandbox) carrying the history above. Each API snapshot
+  and fork is followed by one of the backend alone (the same limits as the task's), so
+  both sides see the same moment of a noisy machine;
 - ``gRPC step``: the same 1 KB and 8 KB steps through the gRPC step channel
   (``Sessions.Attach``, one stream per session, one request in flight), windows as above.
 
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import uuid
 from pathlib import Path
 
@@ -40,7 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sandboxes.base import SandboxSpec  # noqa: E402
+from sandboxes.base import Resources, SandboxInfo, SandboxSpec  # noqa: E402
 from sandboxes.images import DEFAULT_IMAGE_CACHE, ensure_base_image  # noqa: E402
 from sandboxes.local import LocalBackend  # noqa: E402
 
@@ -109,8 +112,8 @@ def timed(fn, *args, **kwargs) -> tuple[float, httpx.Response]:
     return elapsed, response
 
 
-def bench_api(gw: Gateway, steps: int, runs: int) -> dict[str, list[float]]:
-    """Time round trips, steps (per size, per window), snapshots and forks through the API."""
+def bench_api(gw: Gateway, steps: int, runs: int, bare: Bare) -> dict[str, list[float]]:
+    """Time round trips, steps (per size, per window), snapshots and forks through the API (each beside ``bare``'s)."""
     out: dict[str, list[float]] = {}
     with httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {gw.key}"}, timeout=120) as http:
         out["round trip"] = [timed(http.get, "/healthz")[0] for _ in range(max(runs, 100))]
@@ -141,6 +144,7 @@ def bench_api(gw: Gateway, steps: int, runs: int) -> dict[str, list[float]]:
                     for fork in response.json()["items"]:
                         http.delete(f"/v1/sessions/{fork['id']}")
                     http.delete(f"/v1/snapshots/{snap_id}")
+                    bare.snapshot_and_fork()
                 out["snapshot"], out["fork"] = snaps, forks
             http.delete(f"/v1/sessions/{sid}")
             sid = http.post("/v1/sessions", json={"task_id": task["id"]}).json()["id"]
@@ -175,30 +179,50 @@ async def grpc_steps(gw: Gateway, session_id: str, steps: int, size: int) -> lis
     return times
 
 
-async def bench_backend(root: Path, runs: int) -> dict[str, list[float]]:
-    """Time exec, snapshot and restore(n=1) of the local backend itself."""
-    backend = LocalBackend(root, f"bench-{uuid.uuid4().hex[:6]}")
-    ref = await ensure_base_image(backend, DEFAULT_IMAGE_CACHE)
-    out: dict[str, list[float]] = {label: [] for label in ("exec 1 KB", "exec 8 KB", "snapshot", "fork")}
-    info = await backend.create(SandboxSpec(image=ref))
-    try:
-        for label, size in SIZES.items():
-            for _ in range(max(runs, 100)):
-                started = time.perf_counter()
-                await backend.exec(info.id, command(size))
-                out[f"exec {label}"].append(time.perf_counter() - started)
-        for _ in range(runs):
+class Bare:
+    """The local backend alone, in this process: exec, and snapshot + restore(n=1) one pair at a time."""
+
+    def __init__(self, runner: asyncio.Runner, root: Path) -> None:
+        self._runner = runner
+        self.backend = LocalBackend(root, f"bench-{uuid.uuid4().hex[:6]}")
+        self.times: dict[str, list[float]] = {label: [] for label in ("exec 1 KB", "exec 8 KB", "snapshot", "fork")}
+        self.sandbox = runner.run(self._create())
+
+    async def _create(self) -> SandboxInfo:
+        ref = await ensure_base_image(self.backend, DEFAULT_IMAGE_CACHE)
+        limits = tomllib.loads((TASK_DIR / "task.toml").read_text())["environment"]
+        return await self.backend.create(SandboxSpec(image=ref, resources=Resources(
+            cpus=float(limits["cpus"]), memory_mb=int(limits["memory_mb"]))))
+
+    def execs(self, runs: int) -> None:
+        """Time ``runs`` execs of each size."""
+
+        async def run() -> None:
+            for label, size in SIZES.items():
+                for _ in range(runs):
+                    started = time.perf_counter()
+                    await self.backend.exec(self.sandbox.id, command(size))
+                    self.times[f"exec {label}"].append(time.perf_counter() - started)
+
+        self._runner.run(run())
+
+    def snapshot_and_fork(self) -> None:
+        """Time one snapshot and one restore of it (then free both)."""
+
+        async def run() -> None:
             started = time.perf_counter()
-            snap = await backend.snapshot(info.id)
-            out["snapshot"].append(time.perf_counter() - started)
+            snap = await self.backend.snapshot(self.sandbox.id)
+            self.times["snapshot"].append(time.perf_counter() - started)
             started = time.perf_counter()
-            (branch,) = await backend.restore(snap, 1)
-            out["fork"].append(time.perf_counter() - started)
-            await backend.destroy(branch.id)
-            await backend.delete_snapshot(snap.id)
-    finally:
-        await backend.destroy(info.id)
-    return out
+            (branch,) = await self.backend.restore(snap, 1)
+            self.times["fork"].append(time.perf_counter() - started)
+            await self.backend.destroy(branch.id)
+            await self.backend.delete_snapshot(snap.id)
+
+        self._runner.run(run())
+
+    def close(self) -> None:
+        self._runner.run(self.backend.destroy(self.sandbox.id))
 
 
 def main() -> None:
@@ -212,10 +236,16 @@ def main() -> None:
         tmp_path = Path(tmp)
         print(f"# {time.strftime('%Y-%m-%d')} {platform.node()} {os.cpu_count()} cpus, "
               f"load {os.getloadavg()[0]:.2f}; {args.steps} steps, {args.runs} runs", flush=True)
-        backend = asyncio.run(bench_backend(tmp_path / "backend", args.runs))
-        (tmp_path / "gw").mkdir()
-        with Gateway(tmp_path / "gw") as gw:
-            api = bench_api(gw, args.steps, args.runs)
+        with asyncio.Runner() as runner:
+            bare = Bare(runner, tmp_path / "backend")
+            try:
+                bare.execs(max(args.runs, 100))
+                (tmp_path / "gw").mkdir()
+                with Gateway(tmp_path / "gw") as gw:
+                    api = bench_api(gw, args.steps, args.runs, bare)
+            finally:
+                bare.close()
+        backend = bare.times
     floor = med_ms(api["round trip"])
     print(f"\n{'what':<24} {'p50 ms':>8} {'backend ms':>11} {'added ms':>9}  target <= {TARGET_ADDED_MS:g} ms added")
     print(f"{'round trip (healthz)':<24} {floor:>8.2f}")

@@ -1232,32 +1232,22 @@ class DockerBackend:
             pass  # deleted before (or never made)
         else:
             await self._untag(f"{SNAPSHOT_REPOSITORY}:{snapshot_id}")  # the retired tag still names it
-        retired = await self._call(
-            "list retired snapshot images",
-            self._api.images,
-            name=RETIRED_REPOSITORY,
-            filters={"label": f"{LABEL_SNAPSHOT_NODE}={self.node}"},
-        )
-        for entry in retired:
-            for ref in entry.get("RepoTags") or []:
-                if ref.startswith(f"{RETIRED_REPOSITORY}:"):
-                    await self._drop_image(ref)  # not forced: refused while a container uses it
-        await self._sweep_abandoned_builds()
+        for ref in await self._node_tags(RETIRED_REPOSITORY, "list retired snapshot images"):
+            await self._drop_image(ref)  # not forced: refused while a container uses it
+        # A snapshot() cancelled mid-call leaves its build tag: the old ones go, with the images only they named.
+        for ref in await self._node_tags(BUILD_REPOSITORY, "list snapshot images being made",
+                                         made_before=time.time() - _ABANDONED_BUILD_S):
+            await self._untag(ref)
 
-    async def _sweep_abandoned_builds(self) -> None:
-        """Remove this node's build tags older than :data:`_ABANDONED_BUILD_S`, and the images only they named."""
-        builds = await self._call(
-            "list snapshot images being made",
-            self._api.images,
-            name=BUILD_REPOSITORY,
-            filters={"label": f"{LABEL_SNAPSHOT_NODE}={self.node}"},
-        )
-        cutoff = time.time() - _ABANDONED_BUILD_S
-        for entry in builds:
-            if float(entry.get("Created") or 0) < cutoff:
-                for ref in entry.get("RepoTags") or []:
-                    if ref.startswith(f"{BUILD_REPOSITORY}:"):
-                        await self._untag(ref)
+    async def _node_tags(self, repository: str, what: str, *, made_before: float | None = None) -> list[str]:
+        """Return the tags in ``repository`` of this node's snapshot images (only those made before ``made_before``)."""
+        entries = await self._call(what, self._api.images, name=repository,
+                                   filters={"label": f"{LABEL_SNAPSHOT_NODE}={self.node}"})
+        return [
+            ref for entry in entries
+            if made_before is None or float(entry.get("Created") or 0) < made_before
+            for ref in entry.get("RepoTags") or [] if ref.startswith(f"{repository}:")
+        ]
 
     async def list_snapshots(self) -> list[Snapshot]:
         """Return the snapshot images of this node."""

@@ -47,6 +47,7 @@ class SessionsServicer(pb2_grpc.SessionsServicer):  # type: ignore[misc,name-def
             if not session_id:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Send metadata `{SESSION_KEY}: <session id>`.")
             try:
+                await step_gate_of(self._app).settle(session_id)  # a fork's row may still be being written
                 await sessions_service.get_session(db_session=db, session_id=session_id)
             except GatewayError as exc:
                 await context.abort(grpc.StatusCode.NOT_FOUND, exc.message)

@@ -346,9 +346,10 @@ async def close_session(
     *, db_session: AsyncSession, runtime: WorkerClient, session_id: str, gate: StepGate | None = None
 ) -> EnvSession:
     """Close a session and destroy its sandbox; closing an ended session again is a no-op."""
+    gate = gate or StepGate()
+    await gate.settle(session_id)  # a fork's row may still be being written
     row = await get_session(db_session=db_session, session_id=session_id)
     await db_session.commit()
-    gate = gate or StepGate()
     with gate.closing(session_id):
         gate.forget(session_id)
         await runtime.close_session(session_id)

@@ -13,8 +13,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +28,13 @@ from gateway.sandboxes.models import Sandbox
 from gateway.sessions import service as sessions_service
 from gateway.sessions.gate import SessionFacts, StepGate
 from gateway.sessions.models import EnvSession, SessionState, SessionStep
-from gateway.snapshots.collection import backend_snapshot_id, collect_garbage
+from gateway.snapshots.collection import (
+    KnownSnapshot,
+    backend_snapshot_id,
+    collect_garbage,
+    fork_holds,
+    known_snapshots,
+)
 from gateway.snapshots.models import SnapshotRecord
 from gateway.tasks.models import Task
 from gateway.tasks.service import load_task
@@ -213,46 +218,6 @@ async def _live(db_session: AsyncSession, snapshot_id: str) -> bool:
     return row is not None and row[0] is None
 
 
-@dataclasses.dataclass(frozen=True)
-class KnownSnapshot:
-    """The part of a snapshot row that never changes: enough to start restoring its forks."""
-
-    task_id: str
-    session_id: str
-    state: dict[str, Any]
-
-
-class KnownSnapshots:
-    """Snapshot rows this process wrote or read, by id, the oldest dropped past ``max_entries``.
-
-    A fork of a known snapshot starts restoring at once; whether the row still lives
-    (not deleted) is read from the database beside the restore, which is undone if not.
-    """
-
-    def __init__(self, max_entries: int = 4096) -> None:
-        self.max_entries = max_entries
-        self._known: OrderedDict[str, KnownSnapshot] = OrderedDict()
-
-    def get(self, snapshot_id: str) -> KnownSnapshot | None:
-        """Return what is known of the snapshot, or None."""
-        return self._known.get(snapshot_id)
-
-    def drop(self, snapshot_id: str) -> None:
-        """Forget a snapshot (its row was never written)."""
-        self._known.pop(snapshot_id, None)
-
-    def put(self, record: SnapshotRecord) -> KnownSnapshot:
-        """Remember a snapshot row's unchanging part; return it."""
-        known = KnownSnapshot(task_id=record.task_id, session_id=record.session_id, state=record.state)
-        self._known[record.id] = known
-        self._known.move_to_end(record.id)
-        while len(self._known) > self.max_entries:
-            self._known.popitem(last=False)
-        return known
-
-
-#: The process's known snapshots (ids are random: two databases never share one).
-known_snapshots = KnownSnapshots()
 
 
 async def fork_snapshot(
@@ -268,7 +233,11 @@ async def fork_snapshot(
     meanwhile, the sandboxes are freed and the forks fail. No sandbox starts past the
     runtime's own count of open sessions.
     With a write-behind ``gate``, each fork's sandbox is recorded behind the answer, as
-    a step is (whatever reads the fork settles it first).
+    a step is (whatever reads the fork settles it first). When, besides, the runtime is
+    the sole gateway of its sessions and this process knows the snapshot (it drops the
+    ones it deletes), only the node's drain flag is read beside the restore: the runtime
+    counts the open sessions, and the forks' rows are written behind the answer too, the
+    snapshot held meanwhile by :data:`~gateway.snapshots.collection.fork_holds`.
 
     Raises:
         NotFoundError: no such snapshot (or it was deleted).
@@ -296,6 +265,11 @@ async def fork_snapshot(
         for _ in range(n)
     ]
     ids = [r.id for r in rows]
+    # Known and not deleted here since (no await between this check and the hold).
+    behind = (not read and gate is not None and gate.write_behind and runtime.sole_gateway
+              and known_snapshots.get(snapshot_id) is not None)
+    if behind:
+        fork_holds.begin(snapshot_id, n)
     launched = asyncio.get_running_loop().create_future()
     forking = asyncio.ensure_future(runtime.fork_session(
         runtime.snapshot_from_json(known.state["session"]), ids, task,
@@ -305,6 +279,12 @@ async def fork_snapshot(
     # The reads below wait until the restore has left this process (or ended): run beside its
     # first steps (the overlay, the runtime's spawn), they slowed them more than they took.
     await asyncio.wait([launched, forking], return_when=asyncio.FIRST_COMPLETED)
+    if behind:
+        assert gate is not None
+        opened = await _fork_held(db_session, runtime, snapshot_id, rows, forking, node)
+        observation = known.state.get("observation") or await _instruction(db_session, known.task_id)
+        return await _answer_forks(db_session, runtime, snapshot_id, known, rows, opened, observation, gate,
+                             rows_behind=True)
     failure: BaseException | None = None
     try:
         if not read and gate is not None:
@@ -342,29 +322,104 @@ async def fork_snapshot(
         await collect_garbage(db_session=db_session, runtime=runtime, node=node)
         raise failure
     observation = known.state.get("observation") or await _instruction(db_session, known.task_id)
+    return await _answer_forks(db_session, runtime, snapshot_id, known, rows, opened, observation, gate,
+                         rows_behind=False)
+
+
+async def _fork_held(
+    db_session: AsyncSession, runtime: WorkerClient, snapshot_id: str, rows: list[EnvSession],
+    forking: asyncio.Future, node: str,
+) -> list[OpenedView]:
+    """The forks of a snapshot :data:`fork_holds` holds: read the drain flag beside the restore, then wait for it.
+
+    Whatever fails lets go of the hold; a failed restore leaves its forks' rows, failed.
+    """
+    ids = [r.id for r in rows]
+    try:
+        draining, _ = await sessions_service.admission(db_session=db_session, node=node)
+        await db_session.commit()
+        if draining:
+            raise sessions_service.draining_error(node)
+    except BaseException:
+        fork_holds.end(snapshot_id, len(rows))
+        await asyncio.shield(_release_forks(runtime, forking, ids))
+        raise
+    try:
+        opened = await forking
+    except BaseException as exc:
+        fork_holds.end(snapshot_id, len(rows))
+        if not isinstance(exc, Exception):
+            await asyncio.shield(_release_forks(runtime, forking, ids))
+            raise
+        logger.warning("fork of snapshot %s failed: %s", snapshot_id, exc)
+        db_session.add_all(rows)
+        await db_session.commit()
+        for session_id in ids:
+            await sessions_service._finish(db_session, session_id, SessionState.FAILED,
+                                           error=sessions_service._error_text(exc))
+            await sessions_service._release(runtime, session_id)
+        await collect_garbage(db_session=db_session, runtime=runtime, node=node)
+        raise
+    return opened
+
+
+async def _answer_forks(
+    db_session: AsyncSession, runtime: WorkerClient, snapshot_id: str, known: KnownSnapshot,
+    rows: list[EnvSession], opened: list[OpenedView], observation: str, gate: StepGate | None, *, rows_behind: bool,
+) -> list[tuple[EnvSession, OpenedView]]:
+    """Record the forks' sandboxes (and, ``rows_behind``, their rows) now or behind the answer; return the answer."""
     out: list[tuple[EnvSession, OpenedView]] = []
     for row, one in zip(rows, opened, strict=True):
         claim = functools.partial(_claim_sandbox, session_id=row.id, sandbox=one.sandbox, task_id=known.task_id,
                                   runtime=runtime)
-        if gate is not None and gate.write_behind:  # like a step's record: written behind the answer, in order
-            engine = db_session.bind
-
-            async def write(claim: Callable = claim, engine: Any = engine) -> None:
-                async with AsyncSession(engine, expire_on_commit=False) as db:
-                    await claim(db_session=db)
-
-            gate.record(row.id, write)
+        if rows_behind:
+            assert gate is not None
+            values = {k: v for k, v in vars(row).items() if not k.startswith("_")}
+            gate.record(row.id, functools.partial(_write_fork, db_session.bind, runtime, gate, snapshot_id,
+                                                  known.session_id, values, claim))
+        elif gate is not None and gate.write_behind:  # like a step's record: written behind the answer, in order
+            gate.record(row.id, functools.partial(_claim_behind, db_session.bind, claim))
         else:
             await claim(db_session=db_session)
         if gate is not None and runtime.sole_gateway:
-            gate.know(row.id, SessionFacts(task_id=known.task_id, node=node, steps=steps,
+            gate.know(row.id, SessionFacts(task_id=known.task_id, node=row.node, steps=row.steps,
                                            observation=known.state.get("observation")))
         set_committed_value(row, "sandbox_id", one.sandbox.id)
         set_committed_value(row, "backend", one.sandbox.backend)
         out.append((row, OpenedWire(session_id=one.session_id, sandbox=SandboxWire.of(one.sandbox),
                                     observation=observation, tools=one.tools)))
-    logger.info("snapshot %s forked into %s", snapshot_id, ", ".join(ids))
+    logger.info("snapshot %s forked into %s", snapshot_id, ", ".join(r.id for r in rows))
     return out
+
+
+async def _claim_behind(engine: Any, claim: Callable[..., Awaitable[None]]) -> None:
+    """Record a fork's sandbox behind the answer (the gate runs it in the fork's order)."""
+    async with AsyncSession(engine, expire_on_commit=False) as db:
+        await claim(db_session=db)
+
+
+_FORK_INSERT = insert(_SESSION)
+
+
+async def _write_fork(
+    engine: Any, runtime: WorkerClient, gate: StepGate, snapshot_id: str, source_id: str, values: dict[str, Any],
+    claim: Callable[..., Awaitable[None]],
+) -> None:
+    """Write a fork's row and its sandbox's behind the answer, then let go of the snapshot's hold.
+
+    If that fails the fork goes (no row would ever close it): its steps answer 404.
+    """
+    try:
+        await gate.settle(source_id)  # the snapshot's row first, if it is still being written: the fork names it
+        async with AsyncSession(engine, expire_on_commit=False) as db:
+            await db.execute(_FORK_INSERT, values)
+            await claim(db_session=db)
+    except BaseException:
+        gate.forget(values["id"])
+        await asyncio.shield(sessions_service._release(runtime, values["id"]))
+        raise
+    finally:
+        fork_holds.end(snapshot_id)
 
 
 async def _claim_sandbox(
@@ -437,6 +492,7 @@ async def delete_snapshot(*, db_session: AsyncSession, runtime: WorkerClient, sn
         NotFoundError: no such snapshot.
         ConflictError: it is pinned (code ``snapshot_pinned``).
     """
+    known_snapshots.drop(snapshot_id)  # no fork of this process starts from it without reading its row
     # One conditional UPDATE: a delete racing a pin never marks a pinned snapshot deleted.
     result = await db_session.execute(
         update(SnapshotRecord)

@@ -220,10 +220,12 @@ async def test_fork_respects_the_open_session_limit(tmp_path):
 
 
 async def test_a_fork_of_a_snapshot_this_process_recorded_restores_while_its_row_is_read(gateway, monkeypatch):
-    """The row's checks (live? under the limit?) run beside the restore, which is undone when they fail."""
+    """Not the sole gateway: the row's checks (live? under the limit?) run beside the restore, undone when they fail."""
     import asyncio
 
     from gateway.snapshots import service as snapshots_service
+
+    monkeypatch.setattr(gateway.runtime, "sole_gateway", False)
 
     task = await gateway.import_task("eager")
     source = await gateway.open_session(task["id"])
@@ -263,7 +265,10 @@ async def test_a_fork_of_a_snapshot_this_process_recorded_restores_while_its_row
 
 
 async def test_a_fork_closed_while_it_starts_stays_closed_and_keeps_no_sandbox(gateway, monkeypatch):
+    """Not the sole gateway: the forks' rows are written while their sandboxes start, and can be closed."""
     import asyncio
+
+    monkeypatch.setattr(gateway.runtime, "sole_gateway", False)
 
     task = await gateway.import_task("close-mid-fork")
     source = await gateway.open_session(task["id"])
@@ -373,6 +378,8 @@ async def test_a_snapshot_row_that_cannot_be_written_frees_its_backend_snapshot(
 async def test_a_fork_whose_restore_never_says_launched_reads_its_row_when_the_restore_ends(gateway, monkeypatch):
     from gateway.snapshots import service as snapshots_service
 
+    monkeypatch.setattr(gateway.runtime, "sole_gateway", False)
+
     task = await gateway.import_task("unlaunched")
     source = await gateway.open_session(task["id"])
     snap = await snapshot(gateway, source["id"])
@@ -393,3 +400,124 @@ async def test_a_fork_whose_restore_never_says_launched_reads_its_row_when_the_r
     (child,) = await fork(gateway, snap["id"], 1)
     assert order == ["restored", "read", "read"] and child["snapshot_id"] == snap["id"]
     assert (await step(gateway, child["id"], "echo on"))["terminated"] is False
+
+
+async def test_a_sole_gateway_forks_a_known_snapshot_reading_only_the_drain_flag(gateway, monkeypatch):
+    """Live and under the limit are known here; the forks' rows follow the answer and read back settled."""
+    from gateway.sessions import service as sessions_service
+    from gateway.snapshots import service as snapshots_service
+
+    task = await gateway.import_task("behind")
+    source = await gateway.open_session(task["id"])
+    await step(gateway, source["id"], "echo one")
+    snap = await snapshot(gateway, source["id"])
+    reads: list[str] = []
+    real_admission = sessions_service.admission
+
+    async def live(*args, **kwargs):
+        raise AssertionError("the snapshot's row was read")
+
+    async def admission(**kwargs):
+        reads.append("drain")
+        return await real_admission(**kwargs)
+
+    monkeypatch.setattr(snapshots_service, "_live", live)
+    monkeypatch.setattr(snapshots_service, "get_snapshot", live)
+    monkeypatch.setattr(sessions_service, "admission", admission)
+    children = await fork(gateway, snap["id"], 2)
+    assert reads == ["drain"] and all(c["sandbox_id"] in gateway.runtime.sandboxes for c in children)
+    for child in children:  # each read at once: the reader settles the row written behind the answer
+        read = (await gateway.client.get(f"/v1/sessions/{child['id']}")).json()
+        assert (read["state"], read["sandbox_id"], read["snapshot_id"]) == ("open", child["sandbox_id"], snap["id"])
+    # Closed right after the answer: the close settles the row first, then ends it.
+    (third,) = await fork(gateway, snap["id"], 1)
+    assert (await gateway.client.delete(f"/v1/sessions/{third['id']}")).status_code == 204
+    assert (await gateway.client.get(f"/v1/sessions/{third['id']}")).json()["state"] == "closed"
+    assert third["id"] not in gateway.runtime.sessions
+    assert [h["action"]["arguments"]["command"] for h in await steps_of(gateway, children[0]["id"])] == ["echo one"]
+
+
+async def test_a_snapshot_deleted_here_is_not_forked_from_memory(gateway):
+    task = await gateway.import_task("deleted-here")
+    source = await gateway.open_session(task["id"])
+    snap = await snapshot(gateway, source["id"])
+    assert (await gateway.client.delete(f"/v1/snapshots/{snap['id']}")).status_code == 204
+    before = set(gateway.runtime.sessions)
+    assert_error(await gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 1}), 404, "not_found")
+    assert set(gateway.runtime.sessions) == before  # refused before any sandbox started
+
+
+async def test_a_collection_spares_a_snapshot_whose_fork_rows_are_not_written_yet(gateway, monkeypatch):
+    """The source closes while a fork restores: nothing in the database holds the snapshot, the fork does."""
+    import asyncio
+
+    task = await gateway.import_task("held")
+    source = await gateway.open_session(task["id"])
+    snap = await snapshot(gateway, source["id"])
+    started, release = asyncio.Event(), asyncio.Event()
+    real_fork = gateway.runtime.fork_session
+
+    async def slow_fork(*args, launched, **kwargs):
+        launched()
+        started.set()
+        await release.wait()
+        return await real_fork(*args, **kwargs)
+
+    monkeypatch.setattr(gateway.runtime, "fork_session", slow_fork)
+    forking = asyncio.ensure_future(gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 1}))
+    await asyncio.wait_for(started.wait(), 10)
+    assert (await gateway.client.delete(f"/v1/sessions/{source['id']}")).status_code == 204  # collects
+    assert not gateway.runtime.deleted_snapshots
+    release.set()
+    response = await forking
+    assert response.status_code == 201, response.text
+    (child,) = response.json()["items"]
+    assert (await gateway.client.get(f"/v1/snapshots/{snap['id']}")).status_code == 200
+    assert (await step(gateway, child["id"], "echo on"))["terminated"] is False
+    # Its fork's row holds it now; when the fork ends, nothing does.
+    assert (await gateway.client.delete(f"/v1/sessions/{child['id']}")).status_code == 204
+    assert_error(await gateway.client.get(f"/v1/snapshots/{snap['id']}"), 404, "not_found")
+    assert len(gateway.runtime.deleted_snapshots) == 1 and not gateway.runtime.snapshots
+
+
+async def test_a_fork_whose_row_cannot_be_written_lets_its_sandbox_go(gateway, monkeypatch, caplog):
+    from sqlalchemy import text
+
+    from gateway.dependencies import step_gate_of
+    from gateway.snapshots import service as snapshots_service
+
+    task = await gateway.import_task("lost-fork-row")
+    source = await gateway.open_session(task["id"])
+    snap = await snapshot(gateway, source["id"])
+    monkeypatch.setattr(snapshots_service, "_FORK_INSERT", text("INSERT INTO no_such_table VALUES (1)"))
+    (child,) = await fork(gateway, snap["id"], 1)  # answered before its row is written
+    await step_gate_of(gateway.app).settle()
+    assert "writing a record failed" in caplog.text
+    assert child["id"] not in gateway.runtime.sessions and child["sandbox_id"] not in gateway.runtime.sandboxes
+    assert_error(await gateway.client.post(f"/v1/sessions/{child['id']}/step",
+                                           json={"action": {"tool": "bash", "arguments": {"command": "ls"}}}),
+                 404, "not_found")
+    # The hold went with it: the snapshot is held by its source alone, and freed when that closes.
+    await gateway.client.delete(f"/v1/sessions/{source['id']}")
+    assert len(gateway.runtime.deleted_snapshots) == 1
+
+
+def test_fork_holds_spare_what_a_fork_held_during_or_after_a_mark():
+    from gateway.snapshots.collection import ForkHolds
+
+    holds = ForkHolds(max_touched=2)
+    before = holds.mark()
+    assert not holds.holds("a", before)
+    holds.begin("a", 2)
+    during = holds.mark()
+    assert holds.holds("a", before) and holds.holds("a", during)
+    holds.end("a")
+    holds.end("a")
+    after = holds.mark()
+    # Its rows went in after ``during``: a read that started then may have missed them.
+    assert holds.holds("a", during) and not holds.holds("a", after)
+    holds.begin("b")
+    holds.end("b")
+    holds.begin("c")
+    holds.end("c")
+    assert not holds.holds("a", during)  # the oldest touch is forgotten past max_touched
