@@ -271,6 +271,7 @@ async def _step_once(
     # A session the runtime holds is open (it is released only after its row left ``open``,
     # and ends only inside a step, which the gate serializes): no read before the step.
     if not runtime.has_session(session_id):
+        await gate.settle(session_id)  # a fork's row may still be being written
         found = (await db_session.execute(_STEP_READ, {"id": session_id})).first()
         await db_session.commit()  # end the read transaction before a step that may take minutes
         if found is None:
@@ -283,6 +284,7 @@ async def _step_once(
     except SessionClosedError:
         if gate.is_closing(session_id):
             raise  # the close ends the session as closed; step_session answers session_closed
+        await gate.settle(session_id)  # a fork's row may still be being written
         await _finish(db_session, session_id, SessionState.CLOSED, error="the worker had already ended the session")
         gate.forget(session_id)
         await _release(runtime, session_id)
@@ -290,6 +292,7 @@ async def _step_once(
     except SessionNotFoundError as exc:
         if gate.is_closing(session_id):
             raise
+        await gate.settle(session_id)  # a fork's row may still be being written
         await _finish(db_session, session_id, SessionState.FAILED,
                       error="the worker does not know the session (it restarted or lost the sandbox)")
         gate.forget(session_id)
@@ -301,6 +304,7 @@ async def _step_once(
     except SandboxLostError as exc:
         if gate.is_closing(session_id):
             raise
+        await gate.settle(session_id)  # a fork's row may still be being written
         await _finish(db_session, session_id, SessionState.FAILED, error=_error_text(exc))
         gate.forget(session_id)
         await _release(runtime, session_id)

@@ -521,3 +521,28 @@ def test_fork_holds_spare_what_a_fork_held_during_or_after_a_mark():
     holds.begin("c")
     holds.end("c")
     assert not holds.holds("a", during)  # the oldest touch is forgotten past max_touched
+
+
+async def test_a_fork_whose_sandbox_is_lost_before_its_row_is_written_ends_failed(gateway, monkeypatch):
+    """A step that finds the fork's sandbox gone waits for the row written behind the answer, then ends it."""
+    import asyncio
+
+    from gateway.snapshots import service as snapshots_service
+
+    task = await gateway.import_task("lost-early")
+    source = await gateway.open_session(task["id"])
+    snap = await snapshot(gateway, source["id"])
+    real_claim = snapshots_service._claim_sandbox
+
+    async def slow_claim(**kwargs):
+        await asyncio.sleep(0.2)  # the row is still being written when the step fails
+        await real_claim(**kwargs)
+
+    monkeypatch.setattr(snapshots_service, "_claim_sandbox", slow_claim)
+    (child,) = await fork(gateway, snap["id"], 1)
+    gateway.runtime.sessions.pop(child["id"])  # the worker lost it
+    response = await gateway.client.post(f"/v1/sessions/{child['id']}/step",
+                                         json={"action": {"tool": "bash", "arguments": {"command": "ls"}}})
+    assert_error(response, 409, "session_closed")
+    read = (await gateway.client.get(f"/v1/sessions/{child['id']}")).json()
+    assert read["state"] == "failed" and "does not know the session" in read["error"]
