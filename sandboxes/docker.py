@@ -917,7 +917,10 @@ class DockerBackend:
         return [self._info(e) for e in entries]
 
     async def destroy(self, sandbox_id: str) -> None:
-        """Kill and remove the container; a second call (or an unknown id) is a no-op."""
+        """Kill and remove the container; a second call (or an unknown id) is a no-op.
+
+        The last container restored from a deleted snapshot takes the snapshot's image with it.
+        """
         try:
             attrs = await self._inspect(sandbox_id)
         except SandboxNotFoundError:
@@ -934,6 +937,9 @@ class DockerBackend:
         finally:
             await self._remove(attrs["Id"])
         logger.info("destroyed docker sandbox %s", attrs["Id"][:12])
+        repository, _, snapshot_id = str((attrs.get("Config") or {}).get("Image") or "").rpartition(":")
+        if repository == SNAPSHOT_REPOSITORY and snapshot_id:  # restored: its snapshot's image, if deleted, may go now
+            await self._drop_image(f"{RETIRED_REPOSITORY}:{snapshot_id}")
 
     async def _remove(self, cid: str) -> None:
         for attempt in range(3):
@@ -1220,18 +1226,20 @@ class DockerBackend:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Delete the snapshot: its image goes now, or once no container restored from it is left.
 
-        An image still in use is retagged into :data:`RETIRED_REPOSITORY`; every call removes
-        this node's retired images nothing uses any more. Build tags older than
+        An image still in use is retagged into :data:`RETIRED_REPOSITORY`; destroying a
+        container restored from it removes it once unused, and every call here removes this
+        node's retired images nothing uses any more (those a crash left). Build tags older than
         :data:`_ABANDONED_BUILD_S` (a snapshot() cancelled mid-call) are removed too.
         """
         self._check_open()
-        try:
-            await self._call("retire a snapshot", self._api.tag, f"{SNAPSHOT_REPOSITORY}:{snapshot_id}",
-                             RETIRED_REPOSITORY, snapshot_id)
-        except docker.errors.NotFound:
-            pass  # deleted before (or never made)
-        else:
-            await self._untag(f"{SNAPSHOT_REPOSITORY}:{snapshot_id}")  # the retired tag still names it
+        ref = f"{SNAPSHOT_REPOSITORY}:{snapshot_id}"
+        if not await self._drop_image(ref):  # in use by a container restored from it: retire it
+            try:
+                await self._call("retire a snapshot", self._api.tag, ref, RETIRED_REPOSITORY, snapshot_id)
+            except docker.errors.NotFound:
+                pass  # its last user went meanwhile, and the image with it
+            else:
+                await self._untag(ref)  # the retired tag still names it
         for ref in await self._node_tags(RETIRED_REPOSITORY, "list retired snapshot images"):
             await self._drop_image(ref)  # not forced: refused while a container uses it
         # A snapshot() cancelled mid-call leaves its build tag: the old ones go, with the images only they named.

@@ -52,7 +52,7 @@ import stat
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -658,6 +658,8 @@ class LocalBackend:
         self._images_lock = asyncio.Lock()
         self._mounting: Counter[str] = Counter()
         """Layers that creates and restores in flight mount before any meta.json names them; the layer GC keeps them."""
+        self._retired_layers: set[str] = set()
+        """Layers of deleted snapshots only sandboxes still use: freed when the last of them goes."""
         self._volatile = True
         self._closed = False
 
@@ -763,10 +765,7 @@ class LocalBackend:
                     break
                 parent = parent.parent
             # Also collects layers freed since by destroyed sandboxes, so a repeat call is useful.
-            used = self._used_layers()
-            for layer in self._layers.iterdir():
-                if not layer.name.startswith(".") and str(layer) not in used:
-                    await asyncio.to_thread(shutil.rmtree, layer, True)
+            await self._free_layers()
 
     async def list_images(self, repository: str) -> list[ImageInfo]:
         """Return the images of ``repository``, oldest first; size: the layers no other image shares."""
@@ -792,22 +791,30 @@ class LocalBackend:
                                    created_at=path.stat().st_mtime, in_use=ref in in_use))
         return sorted(found, key=lambda i: (i.created_at, i.ref))
 
-    def _used_layers(self) -> set[str]:
-        used: set[str] = set(self._mounting)
-        for manifest in self._images.rglob("*.json"):
+    def _layer_users(self) -> tuple[set[str], set[str]]:
+        """Return the layers images, snapshots and mounts in flight use, and those sandboxes use."""
+        stored: set[str] = set(self._mounting)
+        for path in (*self._images.rglob("*.json"), *self._snapshots.glob("*.json")):
             try:
-                used.update(json.loads(manifest.read_text()).get("layers", []))
+                stored.update(json.loads(path.read_text()).get("layers", []))
             except (OSError, ValueError):
                 continue
+        live: set[str] = set()
         for sdir in self._sandboxes_dir.iterdir():
-            meta = self._read_meta(sdir.name) or {}
-            used.update(meta.get("layers", []))
-        for snap in self._snapshots.glob("*.json"):
-            try:
-                used.update(json.loads(snap.read_text()).get("layers", []))
-            except (OSError, ValueError):
-                continue
-        return used
+            live.update((self._read_meta(sdir.name) or {}).get("layers", []))
+        return stored, live
+
+    async def _free_layers(self, only: Iterable[str] | None = None) -> set[str]:
+        """Remove the layers (of ``only``, if given) nothing uses; return those sandboxes alone still use.
+
+        The caller holds :attr:`_images_lock`.
+        """
+        stored, live = self._layer_users()
+        candidates = [str(p) for p in self._layers.iterdir() if not p.name.startswith(".")] if only is None else only
+        for layer in candidates:
+            if layer not in stored and layer not in live:
+                await asyncio.to_thread(shutil.rmtree, layer, True)
+        return live - stored
 
     async def seal_upper(self, sandbox_id: str) -> Path:
         """Copy the sandbox's upper dir into a new immutable layer and return its path.
@@ -1025,11 +1032,13 @@ class LocalBackend:
         """Delete the snapshot and every layer nothing else (image, sandbox, snapshot) uses."""
         path = self._snapshot_path(snapshot_id)
         async with self._images_lock:
+            try:
+                layers = set(json.loads(path.read_text()).get("layers", []))
+            except (OSError, ValueError):
+                layers = set()
             path.unlink(missing_ok=True)
-            used = self._used_layers()
-            for layer in self._layers.iterdir():
-                if not layer.name.startswith(".") and str(layer) not in used:
-                    await asyncio.to_thread(shutil.rmtree, layer, True)
+            # The layers its restored sandboxes still use go with the last of them (see destroy).
+            self._retired_layers |= layers & await self._free_layers()
 
     async def list_snapshots(self) -> list[Snapshot]:
         """Return the snapshots stored under root_dir/snapshots for this node."""
@@ -1615,6 +1624,7 @@ class LocalBackend:
         if not _ID_RE.fullmatch(sandbox_id):
             return
         task = self._destroying.get(sandbox_id)
+        sb = None
         if task is None:
             sb = self._sandboxes.pop(sandbox_id, None)
             if sb is None and not (self._sandboxes_dir / sandbox_id).exists():
@@ -1624,6 +1634,11 @@ class LocalBackend:
             self._destroying[sandbox_id] = task
             task.add_done_callback(lambda _t: self._destroying.pop(sandbox_id, None))
         await asyncio.shield(task)
+        retired = self._retired_layers.intersection(sb.layers) if sb is not None else set()
+        if retired:  # restored from a deleted snapshot: its layers go once no other sandbox uses them
+            async with self._images_lock:
+                still = await self._free_layers(retired)
+                self._retired_layers -= retired - still
 
     async def _teardown(self, sandbox_id: str, sb: _Sandbox | None) -> None:
         sdir = self._sandboxes_dir / sandbox_id

@@ -185,14 +185,19 @@ async def test_delete_snapshot_frees_its_storage_once_unused(backend, snaps):
         assert _layer_count(backend) == before + 1
     [branch] = await backend.restore(snap)
 
-    # Deleted while a branch uses it: forgotten at once, freed once the branch is gone.
+    [second] = await backend.restore(snap)
+
+    # Deleted while branches use it: forgotten at once, freed when the last branch goes
+    # (no later call needed).
     await backend.delete_snapshot(snap.id)
     assert snap.id not in {s.id for s in await backend.list_snapshots()}
     assert await backend.read_file(branch.id, "/data/blob") == b"x" * 4096
     r = await backend.exec(branch.id, "echo ok")
     assert r.stdout == "ok\n"
     await backend.destroy(branch.id)
-    await backend.delete_snapshot(snap.id)
+    assert _storage_present(backend, snap)  # the second branch still stands on it
+    assert await backend.read_file(second.id, "/data/blob") == b"x" * 4096
+    await backend.destroy(second.id)
     assert not _storage_present(backend, snap)
     if before is not None:
         assert _layer_count(backend) == before
