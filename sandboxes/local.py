@@ -660,6 +660,8 @@ class LocalBackend:
         """Layers that creates and restores in flight mount before any meta.json names them; the layer GC keeps them."""
         self._retired_layers: set[str] = set()
         """Layers of deleted snapshots only sandboxes still use: freed when the last of them goes."""
+        self._retired_found = False
+        """Whether the retired layers of sandboxes an earlier process left were looked for."""
         self._volatile = True
         self._closed = False
 
@@ -1624,21 +1626,37 @@ class LocalBackend:
         if not _ID_RE.fullmatch(sandbox_id):
             return
         task = self._destroying.get(sandbox_id)
-        sb = None
+        layers: list[str] = []
         if task is None:
             sb = self._sandboxes.pop(sandbox_id, None)
             if sb is None and not (self._sandboxes_dir / sandbox_id).exists():
                 return
+            if sb is None:  # another process made it (a restart, a reaper): its layers are on disk
+                layers = list((self._read_meta(sandbox_id) or {}).get("layers", []))
+                self._find_retired_layers()
+            else:
+                layers = sb.layers
             # Concurrent destroys of one id share this task; it runs to the end even if a caller is cancelled.
             task = asyncio.ensure_future(self._teardown(sandbox_id, sb))
             self._destroying[sandbox_id] = task
             task.add_done_callback(lambda _t: self._destroying.pop(sandbox_id, None))
         await asyncio.shield(task)
-        retired = self._retired_layers.intersection(sb.layers) if sb is not None else set()
+        retired = self._retired_layers.intersection(layers)
         if retired:  # restored from a deleted snapshot: its layers go once no other sandbox uses them
             async with self._images_lock:
                 still = await self._free_layers(retired)
                 self._retired_layers -= retired - still
+
+    def _find_retired_layers(self) -> None:
+        """Count as retired the layers only sandboxes use, once per backend (an earlier process deleted their snapshots).
+
+        Every removal checks again that nothing uses them.
+        """
+        if self._retired_found:
+            return
+        self._retired_found = True
+        stored, live = self._layer_users()
+        self._retired_layers |= live - stored
 
     async def _teardown(self, sandbox_id: str, sb: _Sandbox | None) -> None:
         sdir = self._sandboxes_dir / sandbox_id
