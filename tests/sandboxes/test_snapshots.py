@@ -184,7 +184,6 @@ async def test_delete_snapshot_frees_its_storage_once_unused(backend, snaps):
     if before is not None:
         assert _layer_count(backend) == before + 1
     [branch] = await backend.restore(snap)
-
     [second] = await backend.restore(snap)
 
     # Deleted while branches use it: forgotten at once, freed when the last branch goes
