@@ -245,8 +245,9 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None, distrib
 
     app.include_router(metrics_router)  # open like /healthz: scrapers carry no API key
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
-    for router in (environments_router, tasks_router, sessions_router, sandboxes_router, rollouts_router,
-                   episodes_router, policies_router, snapshots_router, nodes_router, artifacts_router):
+    # Starlette tries the routes one by one, in this order: the ones a trainer calls every turn come first.
+    for router in (sessions_router, snapshots_router, environments_router, tasks_router, sandboxes_router,
+                   rollouts_router, episodes_router, policies_router, nodes_router, artifacts_router):
         v1.include_router(router)
     app.include_router(v1)
     install_console(app)
