@@ -12,6 +12,9 @@ root after ``bash .ci/bootstrap``. Everything comes from the same run, on the lo
   the backend, on a session (and sandbox) carrying the history above. Each API snapshot
   and fork is followed by one of the backend alone (the same limits as the task's), so
   both sides see the same moment of a noisy machine;
+- ``fork per branch (n = 8)``: a fork of 8 branches through the API vs. ``restore(n=8)`` of
+  the backend, each divided by 8 (the issue states a fork's cost per branch), interleaved
+  the same way over a third of ``--runs`` (at least 5);
 - ``gRPC step``: the same 1 KB and 8 KB steps through the gRPC step channel
   (``Sessions.Attach``, one stream per session, one request in flight), windows as above.
 
@@ -51,6 +54,8 @@ FORKYARD = ROOT / ".venv" / "bin" / "forkyard"
 TASK_DIR = ROOT / "examples" / "tasks" / "terminal" / "count-log-errors"
 SIZES = {"1 KB": 1024, "8 KB": 8192}
 WINDOW = 20
+#: The branches of the per-branch fork measurement.
+BRANCHES = 8
 #: The issue's target: at most this much added over the backend, at p50.
 TARGET_ADDED_MS = 2.0
 
@@ -146,6 +151,15 @@ def bench_api(gw: Gateway, steps: int, runs: int, bare: Bare) -> dict[str, list[
                     http.delete(f"/v1/snapshots/{snap_id}")
                     bare.snapshot_and_fork()
                 out["snapshot"], out["fork"] = snaps, forks
+                out[f"fork per branch (n = {BRANCHES})"] = wide = []
+                for _ in range(max(5, runs // 3)):
+                    snap_id = http.post(f"/v1/sessions/{sid}/snapshot").raise_for_status().json()["id"]
+                    elapsed, response = timed(http.post, f"/v1/snapshots/{snap_id}/fork", json={"n": BRANCHES})
+                    wide.append(elapsed / BRANCHES)
+                    for fork in response.json()["items"]:
+                        http.delete(f"/v1/sessions/{fork['id']}")
+                    http.delete(f"/v1/snapshots/{snap_id}")
+                    bare.snapshot_and_fork(BRANCHES)
             http.delete(f"/v1/sessions/{sid}")
             sid = http.post("/v1/sessions", json={"task_id": task["id"]}).json()["id"]
             times = asyncio.run(grpc_steps(gw, sid, steps, size))
@@ -185,7 +199,8 @@ class Bare:
     def __init__(self, runner: asyncio.Runner, root: Path) -> None:
         self._runner = runner
         self.backend = LocalBackend(root, f"bench-{uuid.uuid4().hex[:6]}")
-        self.times: dict[str, list[float]] = {label: [] for label in ("exec 1 KB", "exec 8 KB", "snapshot", "fork")}
+        self.times: dict[str, list[float]] = {
+            label: [] for label in ("exec 1 KB", "exec 8 KB", "snapshot", "fork", f"fork per branch (n = {BRANCHES})")}
         self.sandbox = runner.run(self._create())
 
     async def _create(self) -> SandboxInfo:
@@ -206,17 +221,20 @@ class Bare:
 
         self._runner.run(run())
 
-    def snapshot_and_fork(self) -> None:
-        """Time one snapshot and one restore of it (then free both)."""
+    def snapshot_and_fork(self, n: int = 1) -> None:
+        """Time one snapshot and one restore of ``n`` branches of it (then free them all)."""
 
         async def run() -> None:
             started = time.perf_counter()
             snap = await self.backend.snapshot(self.sandbox.id)
-            self.times["snapshot"].append(time.perf_counter() - started)
+            if n == 1:
+                self.times["snapshot"].append(time.perf_counter() - started)
             started = time.perf_counter()
-            (branch,) = await self.backend.restore(snap, 1)
-            self.times["fork"].append(time.perf_counter() - started)
-            await self.backend.destroy(branch.id)
+            branches = await self.backend.restore(snap, n)
+            elapsed = time.perf_counter() - started
+            self.times["fork" if n == 1 else f"fork per branch (n = {n})"].append(elapsed / n)
+            for branch in branches:
+                await self.backend.destroy(branch.id)
             await self.backend.delete_snapshot(snap.id)
 
         self._runner.run(run())
@@ -251,7 +269,8 @@ def main() -> None:
     print(f"{'round trip (healthz)':<24} {floor:>8.2f}")
     rows = [(k, f"exec {k.split()[1]} {k.split()[2]}") for k in api if k.startswith("step ")]
     rows += [(k, f"exec {k.split()[2]} {k.split()[3]}") for k in api if k.startswith("gRPC step ")]
-    rows += [("snapshot", "snapshot"), ("fork", "fork")]
+    wide = f"fork per branch (n = {BRANCHES})"
+    rows += [("snapshot", "snapshot"), ("fork", "fork"), (wide, wide)]
     for key, base_key in rows:
         value, base = med_ms(api[key]), med_ms(backend[base_key])
         added = value - base

@@ -824,6 +824,13 @@ class LocalBackend:
         ``cp -a`` as root keeps overlay whiteouts (0/0 char devices) and the
         ``trusted.overlay.opaque`` xattrs, so the layer means the same as a lower layer.
         """
+        return (await self._seal_upper(sandbox_id, digest=False))[0]
+
+    async def _seal_upper(self, sandbox_id: str, *, digest: bool) -> tuple[Path, str]:
+        """:meth:`seal_upper`, also returning the new layer's :func:`tree_digest` if ``digest`` ("" if not).
+
+        The digest is taken in the copy's thread: one hop less than a thread of its own.
+        """
         sdir = self._sandbox_dir(sandbox_id)
         upper = self._disk_dir(sandbox_id) / "upper"
         if not sdir.is_dir() or not upper.is_dir():
@@ -833,12 +840,14 @@ class LocalBackend:
         tmp.mkdir()
         # Spawned and waited for in a thread of its own: asyncio's subprocess forks in the event
         # loop's thread, which in the gateway held every other request ~0.7 ms per snapshot.
-        copying = _in_fresh_thread(functools.partial(
-            subprocess.run, ["cp", "-a", "--", f"{upper}/.", str(tmp)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False,
-        ))  # fmt: skip
+        def copy() -> tuple[subprocess.CompletedProcess, str]:
+            done = subprocess.run(["cp", "-a", "--", f"{upper}/.", str(tmp)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
+            return done, tree_digest(tmp) if digest and done.returncode == 0 else ""
+
+        copying = _in_fresh_thread(copy)
         try:
-            done = await asyncio.shield(copying)
+            done, tree = await asyncio.shield(copying)
         except asyncio.CancelledError:  # the copy goes on: let it finish, then drop it
             await asyncio.wait([copying])
             await asyncio.to_thread(shutil.rmtree, tmp, True)
@@ -848,8 +857,8 @@ class LocalBackend:
             err = done.stderr.decode(errors="replace").strip()
             raise SandboxError(f"cannot copy the upper layer of sandbox {sandbox_id}: {err}")
         final = self._layers / layer_id
-        os.rename(tmp, final)
-        return final
+        os.rename(tmp, final)  # the digest lists paths relative to the layer: it holds
+        return final, tree
 
     async def commit(self, sandbox_id: str, image: str, config: ImageConfig) -> None:
         """Freeze the sandbox's filesystem into ``image``: its layers plus a copy of its upper dir."""
@@ -910,13 +919,14 @@ class LocalBackend:
         """Capture the sandbox's filesystem, cwd and exports as an immutable snapshot.
 
         The sandbox's upper dir is copied (``cp -a``, whiteouts and opaque dirs kept) into
-        a new read-only layer while its other processes are stopped (SIGSTOP) and no
-        command runs; the live sandbox goes on with its own upper dir, which now sits on
-        the same content as the snapshot. An overlay cannot swap the upper dir of a
-        mounted sandbox, and copying a small change costs milliseconds. Restoring then
-        mounts fresh overlays over the snapshot's layers, with no copy per branch. More
-        than :attr:`max_snapshot_layers` layers are squashed into two (the bottom image
-        layer and one merged layer). Background processes are not captured.
+        a new read-only layer, and the copy listed for its digest in the same thread, while
+        its other processes are stopped (SIGSTOP) and no command runs; the live sandbox goes
+        on with its own upper dir, which now sits on the same content as the snapshot. An
+        overlay cannot swap the upper dir of a mounted sandbox, and copying a small change
+        costs milliseconds. Restoring then mounts fresh overlays over the snapshot's layers,
+        with no copy per branch. More than :attr:`max_snapshot_layers` layers are squashed
+        into two (the bottom image layer and one merged layer). Background processes are
+        not captured.
         """
         self._check_open()
         sb = self._live(sandbox_id)
@@ -939,14 +949,14 @@ class LocalBackend:
                 cwd = state.cwd or sb.workdir
                 stopped = self._freeze(sb)
                 try:
-                    layer = await self.seal_upper(sandbox_id)
+                    layer, digest = await self._seal_upper(sandbox_id, digest=True)
                 finally:
                     self._thaw(stopped)
             layers = [*sb.layers, str(layer)]
             if len(layers) > self.max_snapshot_layers:
                 layers = [layers[0], str(await self._squash(layers[1:]))]
                 await asyncio.to_thread(shutil.rmtree, layer, True)
-            digest = await asyncio.to_thread(tree_digest, layers[-1])
+                digest = await asyncio.to_thread(tree_digest, layers[-1])
             description = {
                 "backend": self.name, "node": self.node, "image": sb.image, "digest": digest,
                 "layers": [os.path.basename(p) if p.startswith(str(self._layers)) else p for p in layers],

@@ -231,6 +231,27 @@ async def test_deep_chains_are_squashed(backend, snaps):
     )  # the image's base layer is never copied
 
 
+@pytest.mark.local
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+async def test_a_local_snapshot_digest_lists_its_top_layer(backend, snaps):
+    """The digest (taken of the copy before it is moved into place) is that of the layer kept; squashed too."""
+    from sandboxes.snapshots import tree_digest
+
+    backend.max_snapshot_layers = 2
+    info = await backend.create(SPEC)
+    await backend.exec(info.id, "mkdir -p /d && echo a > /d/a && rm /etc/issue.net")
+    plain = await backend.snapshot(info.id)
+    snaps.append(plain)
+    [branch] = await backend.restore(plain)
+    await backend.exec(branch.id, "echo b > /d/b")
+    squashed = await backend.snapshot(branch.id)  # three layers: the top two are merged
+    snaps.append(squashed)
+    assert len(plain.layers) == 2 and len(squashed.layers) == 2 and squashed.layers[-1] != plain.layers[-1]
+    for snap in (plain, squashed):
+        assert snap.digest == tree_digest(snap.layers[-1])
+    assert plain.digest != squashed.digest
+
+
 def _docker_layers(image_id: str) -> int:
     import docker
 
