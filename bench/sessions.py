@@ -15,6 +15,9 @@ root after ``bash .ci/bootstrap``. Everything comes from the same run, on the lo
 - ``fork per branch (n = 8)``: a fork of 8 branches through the API vs. ``restore(n=8)`` of
   the backend, each divided by 8 (the issue states a fork's cost per branch), interleaved
   the same way over a third of ``--runs`` (at least 5);
+- ``gRPC snapshot`` and ``gRPC fork`` (n = 1): the same, over the long session's gRPC
+  stream (``Sessions.Attach``; a ``Snapshot`` or ``Fork`` request), each pair again
+  followed by one of the backend alone;
 - ``gRPC step``: the same 1 KB and 8 KB steps through the gRPC step channel
   (``Sessions.Attach``, one stream per session, one request in flight), windows as above.
 
@@ -36,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 import uuid
@@ -160,9 +164,11 @@ def bench_api(gw: Gateway, steps: int, runs: int, bare: Bare) -> dict[str, list[
                         http.delete(f"/v1/sessions/{fork['id']}")
                     http.delete(f"/v1/snapshots/{snap_id}")
                     bare.snapshot_and_fork(BRANCHES)
+                out.update(grpc_snapshots_and_forks(gw, http, sid, runs, bare))
             http.delete(f"/v1/sessions/{sid}")
             sid = http.post("/v1/sessions", json={"task_id": task["id"]}).json()["id"]
-            times = asyncio.run(grpc_steps(gw, sid, steps, size))
+            with GrpcStream(gw, sid) as stream:
+                times = stream.steps(steps, size)
             for w in windows:
                 lo = max(0, min(w - 1, steps - WINDOW))
                 out[f"gRPC step {label} @{w}"] = times[lo:lo + WINDOW]
@@ -170,27 +176,93 @@ def bench_api(gw: Gateway, steps: int, runs: int, bare: Bare) -> dict[str, list[
     return out
 
 
-async def grpc_steps(gw: Gateway, session_id: str, steps: int, size: int) -> list[float]:
-    """Step one session ``steps`` times over one gRPC stream, one request in flight; return each step's time."""
-    import grpc
+class GrpcStream:
+    """One ``Sessions.Attach`` stream on an event loop of its own thread; each call timed on that loop.
 
-    from gateway.grpc.codegen import modules
+    Its own loop lets the bench call it between the in-process backend's calls (which run
+    on the main thread's runner), each side timed the same way.
+    """
 
-    pb2, pb2_grpc = modules()
-    request = pb2.StepRequest(tool="bash", arguments_json=json.dumps({"command": command(size)}))
-    times = []
-    async with grpc.aio.insecure_channel(gw.grpc) as channel:
-        call = pb2_grpc.SessionsStub(channel).Attach(
-            metadata=(("authorization", f"Bearer {gw.key}"), ("x-forkyard-session", session_id)))
-        for seq in range(steps):
-            request.seq = seq
-            started = time.perf_counter()
-            await call.write(request)
-            reply = await call.read()
-            times.append(time.perf_counter() - started)
-            assert not reply.HasField("error") and len(reply.observation) >= size, reply
-        await call.done_writing()
-    return times
+    def __init__(self, gw: Gateway, session_id: str) -> None:
+        from gateway.grpc.codegen import modules
+
+        self.pb2, self._pb2_grpc = modules()
+        self._gw, self._session_id = gw, session_id
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="grpc client", daemon=True)
+
+    def __enter__(self) -> GrpcStream:
+        self._thread.start()
+        self._run(self._open())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._run(self._close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self._loop.close()
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=300)
+
+    async def _open(self) -> None:
+        import grpc
+
+        self._channel = grpc.aio.insecure_channel(self._gw.grpc)
+        self._call = self._pb2_grpc.SessionsStub(self._channel).Attach(
+            metadata=(("authorization", f"Bearer {self._gw.key}"), ("x-forkyard-session", self._session_id)))
+
+    async def _close(self) -> None:
+        await self._call.done_writing()
+        await self._call.code()  # the call's end, before its channel's
+        await self._channel.close()
+
+    async def _timed(self, request):
+        started = time.perf_counter()
+        await self._call.write(request)
+        reply = await self._call.read()
+        elapsed = time.perf_counter() - started
+        assert not reply.HasField("error"), reply.error
+        return elapsed, reply
+
+    def call(self, request):
+        """Send one request, wait for its reply; return ``(seconds, reply)`` (an in-band error raises)."""
+        return self._run(self._timed(request))
+
+    def steps(self, steps: int, size: int) -> list[float]:
+        """Step ``steps`` times, one request in flight; return each step's time."""
+
+        async def run() -> list[float]:
+            request = self.pb2.StepRequest(tool="bash", arguments_json=json.dumps({"command": command(size)}))
+            times = []
+            for seq in range(steps):
+                request.seq = seq
+                elapsed, reply = await self._timed(request)
+                assert len(reply.observation) >= size, reply
+                times.append(elapsed)
+            return times
+
+        return self._run(run())
+
+
+def grpc_snapshots_and_forks(gw: Gateway, http: httpx.Client, session_id: str, runs: int, bare: Bare) -> dict:
+    """Time ``runs`` snapshots and forks (n = 1) over the session's stream, each pair beside ``bare``'s."""
+    snaps, forks = [], []
+    with GrpcStream(gw, session_id) as stream:
+        pb2 = stream.pb2
+        for seq in range(runs):
+            elapsed, reply = stream.call(pb2.StepRequest(seq=2 * seq, snapshot=pb2.Snapshot()))
+            snaps.append(elapsed)
+            snap_id = json.loads(reply.result_json)["id"]
+            elapsed, reply = stream.call(pb2.StepRequest(seq=2 * seq + 1, fork=pb2.Fork(snapshot_id=snap_id, n=1)))
+            forks.append(elapsed)
+            for fork in json.loads(reply.result_json)["items"]:
+                http.delete(f"/v1/sessions/{fork['id']}")
+            http.delete(f"/v1/snapshots/{snap_id}")
+            bare.snapshot_and_fork(label="gRPC ")
+    return {"gRPC snapshot": snaps, "gRPC fork": forks}
 
 
 class Bare:
@@ -221,18 +293,23 @@ class Bare:
 
         self._runner.run(run())
 
-    def snapshot_and_fork(self, n: int = 1) -> None:
-        """Time one snapshot and one restore of ``n`` branches of it (then free them all)."""
+    def snapshot_and_fork(self, n: int = 1, *, label: str = "") -> None:
+        """Time one snapshot and one restore of ``n`` branches of it (then free them all).
+
+        The times go to the rows ``label`` prefixes (the API phase they stand beside: a
+        noisy VM's phases differ more than the gateway's cost).
+        """
 
         async def run() -> None:
             started = time.perf_counter()
             snap = await self.backend.snapshot(self.sandbox.id)
             if n == 1:
-                self.times["snapshot"].append(time.perf_counter() - started)
+                self.times.setdefault(f"{label}snapshot", []).append(time.perf_counter() - started)
             started = time.perf_counter()
             branches = await self.backend.restore(snap, n)
             elapsed = time.perf_counter() - started
-            self.times["fork" if n == 1 else f"fork per branch (n = {n})"].append(elapsed / n)
+            key = "fork" if n == 1 else f"fork per branch (n = {n})"
+            self.times.setdefault(f"{label}{key}", []).append(elapsed / n)
             for branch in branches:
                 await self.backend.destroy(branch.id)
             await self.backend.delete_snapshot(snap.id)
@@ -271,6 +348,7 @@ def main() -> None:
     rows += [(k, f"exec {k.split()[2]} {k.split()[3]}") for k in api if k.startswith("gRPC step ")]
     wide = f"fork per branch (n = {BRANCHES})"
     rows += [("snapshot", "snapshot"), ("fork", "fork"), (wide, wide)]
+    rows += [("gRPC snapshot", "gRPC snapshot"), ("gRPC fork", "gRPC fork")]
     for key, base_key in rows:
         value, base = med_ms(api[key]), med_ms(backend[base_key])
         added = value - base

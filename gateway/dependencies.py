@@ -39,9 +39,14 @@ async def get_session_node(request: Request, db_session: Annotated[AsyncSession,
     return await place(db_session)
 
 
+def fork_node_of(app: Any) -> str:
+    """Return the node ``app``'s forks start on: this one, or (distributed mode, "") the node holding the snapshot."""
+    return "" if getattr(app.state, "place_session", None) is not None else app.state.settings.node
+
+
 async def get_fork_node(request: Request) -> str:
-    """Return the node forks start on: this one, or (distributed mode, "") the node holding the snapshot."""
-    return "" if getattr(request.app.state, "place_session", None) is not None else request.app.state.settings.node
+    """Return the node forks start on (:func:`fork_node_of` the request's app)."""
+    return fork_node_of(request.app)
 
 
 def step_gate_of(app: Any) -> StepGate:

@@ -2,7 +2,8 @@
 
 A step through it is the same call as ``POST /v1/sessions/{id}/step`` (the same service
 function, step gate and records) without HTTP's per-request parsing, routing and
-response building; errors come back in-band, as the REST API's code and message.
+response building; likewise a snapshot of the attached session and a fork of a snapshot
+(REST's bodies, as JSON). Errors come back in-band, as the REST API's code and message.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import grpc
 from fastapi import FastAPI
 
 from gateway.auth import service as auth_service
-from gateway.dependencies import step_gate_of
+from gateway.dependencies import fork_node_of, step_gate_of
 from gateway.errors import GatewayError, as_gateway_error
 from gateway.grpc.codegen import modules
 from gateway.sessions import service as sessions_service
+from gateway.snapshots import service as snapshots_service
+from gateway.snapshots.schemas import MAX_FORK
 
 logger = logging.getLogger(__name__)
 
@@ -51,31 +54,58 @@ class SessionsServicer(pb2_grpc.SessionsServicer):  # type: ignore[misc,name-def
                 await sessions_service.get_session(db_session=db, session_id=session_id)
             except GatewayError as exc:
                 await context.abort(grpc.StatusCode.NOT_FOUND, exc.message)
-        runtime = state.runtime
-        gate = step_gate_of(self._app)
         async for request in request_iterator:
+            call = request.WhichOneof("call")
             try:
-                arguments = json.loads(request.arguments_json or "{}")
-                if not isinstance(arguments, dict):
-                    raise GatewayError(422, "validation_error", "arguments_json must be a JSON object.")
                 async with state.sessionmaker() as db:
-                    result = await sessions_service.step_session(
-                        db_session=db, runtime=runtime, session_id=session_id, tool=request.tool,
-                        arguments=arguments, gate=gate,
-                    )
-                reply = pb2.StepReply(seq=request.seq, observation=result.observation, terminated=result.terminated,
-                                      truncated=result.truncated, info_json=json.dumps(result.info, default=str))
-                if result.reward is not None:
-                    reply.reward = float(result.reward)
-                yield reply
+                    if call == "snapshot":
+                        reply = await self._snapshot(db, request.seq, session_id)
+                    elif call == "fork":
+                        reply = await self._fork(db, request.seq, request.fork)
+                    else:
+                        reply = await self._step(db, request, session_id)
             except json.JSONDecodeError as exc:
-                yield _error(request.seq, GatewayError(422, "validation_error", f"arguments_json is not JSON: {exc}."))
+                reply = _error(request.seq, GatewayError(422, "validation_error",
+                                                         f"arguments_json is not JSON: {exc}."))
             except Exception as exc:
                 mapped = as_gateway_error(exc)
                 if mapped.status >= 500:
-                    logger.warning("gRPC step of session %s failed with %s: %s", session_id, mapped.code, exc,
-                                   exc_info=exc)
-                yield _error(request.seq, mapped)
+                    logger.warning("gRPC %s of session %s failed with %s: %s", call or "step", session_id,
+                                   mapped.code, exc, exc_info=exc)
+                reply = _error(request.seq, mapped)
+            yield reply
+
+    async def _step(self, db: Any, request: Any, session_id: str) -> Any:
+        arguments = json.loads(request.arguments_json or "{}")
+        if not isinstance(arguments, dict):
+            raise GatewayError(422, "validation_error", "arguments_json must be a JSON object.")
+        result = await sessions_service.step_session(
+            db_session=db, runtime=self._app.state.runtime, session_id=session_id, tool=request.tool,
+            arguments=arguments, gate=step_gate_of(self._app),
+        )
+        reply = pb2.StepReply(seq=request.seq, observation=result.observation, terminated=result.terminated,
+                              truncated=result.truncated, info_json=json.dumps(result.info, default=str))
+        if result.reward is not None:
+            reply.reward = float(result.reward)
+        return reply
+
+    async def _snapshot(self, db: Any, seq: int, session_id: str) -> Any:
+        record = await snapshots_service.snapshot_session(
+            db_session=db, runtime=self._app.state.runtime, session_id=session_id, gate=step_gate_of(self._app))
+        return pb2.StepReply(seq=seq, result_json=snapshots_service.snapshot_read(record).model_dump_json())
+
+    async def _fork(self, db: Any, seq: int, fork: Any) -> Any:
+        n = fork.n or 1
+        if not fork.snapshot_id or n > MAX_FORK:
+            raise GatewayError(422, "validation_error",
+                               f"A fork names its snapshot_id and forks 1 to {MAX_FORK} sessions (n = {n}).")
+        forks = await snapshots_service.fork_snapshot(
+            db_session=db, runtime=self._app.state.runtime, snapshot_id=fork.snapshot_id, n=n,
+            node=fork_node_of(self._app), max_open=self._app.state.settings.sessions.max_open,
+            gate=step_gate_of(self._app),
+        )
+        body = snapshots_service.forked_sessions(fork.snapshot_id, forks)
+        return pb2.StepReply(seq=seq, result_json=body.model_dump_json())
 
 
 def _error(seq: int, error: GatewayError) -> Any:

@@ -7,25 +7,10 @@ from fastapi import APIRouter, Query, Response
 from gateway.dependencies import CurrentSettings, DbSession, ForkNode, Gate, Runtime
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.snapshots import service
-from gateway.snapshots.models import SnapshotRecord
-from gateway.snapshots.schemas import (
-    ForkedSession,
-    ForkedSessions,
-    SnapshotFork,
-    SnapshotPage,
-    SnapshotRead,
-)
+from gateway.snapshots.schemas import ForkedSessions, SnapshotFork, SnapshotPage, SnapshotRead
 
 router = APIRouter(tags=["snapshots"])
-
-
-def _read(record: SnapshotRecord) -> SnapshotRead:
-    return SnapshotRead(
-        id=record.id, session_id=record.session_id, task_id=record.task_id, node=record.node,
-        backend=record.backend, kind=record.kind, pinned=record.pinned,
-        steps=service.snapshot_steps(record), created_at=record.created_at,
-        metadata=service.snapshot_metadata(record),
-    )
+_read = service.snapshot_read
 
 
 @router.post("/sessions/{session_id}/snapshot", status_code=201, response_model=SnapshotRead)
@@ -45,13 +30,7 @@ async def fork_snapshot(
         db_session=db_session, runtime=runtime, snapshot_id=snapshot_id, n=body.n, node=node,
         max_open=settings.sessions.max_open, gate=gate,
     )
-    return ForkedSessions(items=[
-        ForkedSession(
-            id=row.id, task_id=row.task_id, state=row.state, observation=opened.observation, tools=opened.tools,
-            sandbox_id=row.sandbox_id, created_at=row.created_at, snapshot_id=snapshot_id, steps=row.steps,
-        )
-        for row, opened in forks
-    ])
+    return service.forked_sessions(snapshot_id, forks)
 
 
 @router.get("/snapshots", response_model=SnapshotPage)

@@ -36,6 +36,7 @@ from gateway.snapshots.collection import (
     known_snapshots,
 )
 from gateway.snapshots.models import SnapshotRecord
+from gateway.snapshots.schemas import ForkedSession, ForkedSessions, SnapshotRead
 from gateway.tasks.models import Task
 from gateway.tasks.service import load_task
 from workers.errors import SessionNotFoundError
@@ -59,6 +60,26 @@ def snapshot_metadata(record: SnapshotRecord) -> dict[str, str]:
 def snapshot_steps(record: SnapshotRecord) -> int:
     """Return how many steps the session had taken when it was snapshotted (a fork inherits them)."""
     return int(record.state.get("steps") or 0)
+
+
+def snapshot_read(record: SnapshotRecord) -> SnapshotRead:
+    """Return a snapshot's API form (REST's body; the gRPC channel's ``result_json``)."""
+    return SnapshotRead(
+        id=record.id, session_id=record.session_id, task_id=record.task_id, node=record.node,
+        backend=record.backend, kind=record.kind, pinned=record.pinned, steps=snapshot_steps(record),
+        created_at=record.created_at, metadata=snapshot_metadata(record),
+    )
+
+
+def forked_sessions(snapshot_id: str, forks: list[tuple[EnvSession, OpenedView]]) -> ForkedSessions:
+    """Return the API form of the sessions a fork started (REST's body; the gRPC channel's ``result_json``)."""
+    return ForkedSessions(items=[
+        ForkedSession(
+            id=row.id, task_id=row.task_id, state=row.state, observation=opened.observation, tools=opened.tools,
+            sandbox_id=row.sandbox_id, created_at=row.created_at, snapshot_id=snapshot_id, steps=row.steps,
+        )
+        for row, opened in forks
+    ])
 
 
 async def get_snapshot(*, db_session: AsyncSession, snapshot_id: str) -> SnapshotRecord:

@@ -93,36 +93,85 @@ def test_sandboxes_listing_shows_live_sessions(client, imported):
         assert rows[0].state in ("ready", "busy") and rows[0].task_name == TASK_NAMES[0]
 
 
-def test_the_oracle_over_the_grpc_step_channel_scores_one(client, imported, live_gateway):
-    """A real sandbox stepped through Sessions.Attach: the same observations, records and reward as REST."""
+def _over_grpc(live_gateway, session_id: str, requests: list) -> list:
+    """Send ``requests`` one at a time over one ``Sessions.Attach`` stream of the session; return the replies."""
     import asyncio
-    import json
 
     import grpc
 
     from gateway.grpc.codegen import modules
 
-    pb2, pb2_grpc = modules()
-    name = TASK_NAMES[0]
-    session = client.sessions.create(imported[name])
+    _, pb2_grpc = modules()
 
-    async def steps() -> list:
+    async def run() -> list:
         async with grpc.aio.insecure_channel(live_gateway.grpc) as channel:
             call = pb2_grpc.SessionsStub(channel).Attach(
-                metadata=(("authorization", f"Bearer {live_gateway.api_key}"), ("x-forkyard-session", session.id)))
+                metadata=(("authorization", f"Bearer {live_gateway.api_key}"), ("x-forkyard-session", session_id)))
             replies = []
-            for seq, (tool, args) in enumerate([("bash", {"command": "cd /tmp && export MARK=1"}),
-                                                ("bash", {"command": "echo $MARK; pwd"}),
-                                                ("bash", {"command": oracle_command(name), "timeout": 120}),
-                                                ("submit", {})]):
-                await call.write(pb2.StepRequest(seq=seq, tool=tool, arguments_json=json.dumps(args)))
+            for request in requests:
+                await call.write(request)
                 replies.append(await call.read())
             await call.done_writing()
             return replies
 
-    replies = asyncio.run(steps())
+    return asyncio.run(run())
+
+
+def _grpc_step(seq: int, tool: str, **arguments) -> object:
+    import json
+
+    from gateway.grpc.codegen import modules
+
+    pb2, _ = modules()
+    return pb2.StepRequest(seq=seq, tool=tool, arguments_json=json.dumps(arguments))
+
+
+def test_the_oracle_over_the_grpc_step_channel_scores_one(client, imported, live_gateway):
+    """A real sandbox stepped through Sessions.Attach: the same observations, records and reward as REST."""
+    name = TASK_NAMES[0]
+    session = client.sessions.create(imported[name])
+    replies = _over_grpc(live_gateway, session.id, [
+        _grpc_step(0, "bash", command="cd /tmp && export MARK=1"),
+        _grpc_step(1, "bash", command="echo $MARK; pwd"),
+        _grpc_step(2, "bash", command=oracle_command(name), timeout=120),
+        _grpc_step(3, "submit"),
+    ])
     assert not any(r.HasField("error") for r in replies), replies
     assert replies[1].observation.split()[:2] == ["1", "/tmp"]  # one persistent shell, as through REST
     assert replies[3].terminated and replies[3].reward == 1.0
     assert client.sessions.get(session.id).state == "terminated"
     assert [s.action["tool"] for s in client.sessions.steps(session.id)] == ["bash", "bash", "bash", "submit"]
+
+
+def test_a_snapshot_and_a_fork_over_the_grpc_stream_carry_the_sandbox(client, imported, live_gateway):
+    """Snapshot a real sandbox in order with its steps and fork it, all over Sessions.Attach."""
+    import json
+
+    from gateway.grpc.codegen import modules
+
+    pb2, _ = modules()
+    session = client.sessions.create(imported[TASK_NAMES[0]])
+    forks: list[dict] = []
+    try:
+        replies = _over_grpc(live_gateway, session.id, [
+            _grpc_step(0, "bash", command="cd /tmp && echo before > mark && export MARK=1"),
+            pb2.StepRequest(seq=1, snapshot=pb2.Snapshot()),
+            _grpc_step(2, "bash", command="echo after > /tmp/mark && export MARK=2"),
+        ])
+        assert not any(r.HasField("error") for r in replies), replies
+        snap = json.loads(replies[1].result_json)
+        assert snap["session_id"] == session.id and snap["steps"] == 1
+        assert client.snapshots.get(snap["id"]).id == snap["id"]
+        (forked,) = _over_grpc(live_gateway, session.id, [
+            pb2.StepRequest(seq=3, fork=pb2.Fork(snapshot_id=snap["id"], n=2))])
+        forks = json.loads(forked.result_json)["items"]
+        assert len(forks) == 2 and all(f["steps"] == 1 and f["snapshot_id"] == snap["id"] for f in forks)
+        for fork in forks:  # the sandbox as it was at the snapshot: its file, cwd and exports
+            (seen,) = _over_grpc(live_gateway, fork["id"], [_grpc_step(0, "bash", command="cat mark; echo $MARK; pwd")])
+            assert seen.observation.split()[:3] == ["before", "1", "/tmp"], seen
+        (source,) = _over_grpc(live_gateway, session.id, [_grpc_step(4, "bash", command="cat mark; echo $MARK")])
+        assert source.observation.split()[:2] == ["after", "2"]
+    finally:
+        for fork in forks:
+            client.sessions.close(fork["id"])
+        client.sessions.close(session.id)
