@@ -10,7 +10,7 @@ root after ``bash .ci/bootstrap``. Everything comes from the same run, on the lo
   and ``--steps`` (the history grows as it goes);
 - ``snapshot`` and ``fork`` (n = 1) through the API vs. ``snapshot`` / ``restore(n=1)`` of
   the backend, on a session (and sandbox) carrying the history above. Each API snapshot
-  and fork is followed by one of the backend alone (the same limits as the task's), so
+  and fork is followed by one of the backend alone (on a session of the same task: its image, limits and reset), so
   both sides see the same moment of a noisy machine;
 - ``fork per branch (n = 8)``: a fork of 8 branches through the API vs. ``restore(n=8)`` of
   the backend, each divided by 8 (the issue states a fork's cost per branch), interleaved
@@ -41,7 +41,6 @@ import sys
 import tempfile
 import threading
 import time
-import tomllib
 import uuid
 from pathlib import Path
 
@@ -50,12 +49,11 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sandboxes.base import Resources, SandboxInfo, SandboxSpec  # noqa: E402
-from sandboxes.images import DEFAULT_IMAGE_CACHE, ensure_base_image  # noqa: E402
-from sandboxes.local import LocalBackend  # noqa: E402
+from sandboxes.base import SandboxInfo  # noqa: E402
+from sandboxes.images import DEFAULT_IMAGE_CACHE  # noqa: E402
 
 FORKYARD = ROOT / ".venv" / "bin" / "forkyard"
-TASK_DIR = ROOT / "examples" / "tasks" / "terminal" / "count-log-errors"
+TASK_DIR = Path(os.environ.get("BENCH_TASK") or ROOT / "examples" / "tasks" / "terminal" / "count-log-errors")
 SIZES = {"1 KB": 1024, "8 KB": 8192}
 WINDOW = 20
 #: The branches of the per-branch fork measurement.
@@ -266,20 +264,33 @@ def grpc_snapshots_and_forks(gw: Gateway, http: httpx.Client, session_id: str, r
 
 
 class Bare:
-    """The local backend alone, in this process: exec, and snapshot + restore(n=1) one pair at a time."""
+    """The local backend alone, in this process: exec, and snapshot + restore(n=1) one pair at a time.
+
+    Its sandbox is a session of the same task opened by a worker runtime in this process
+    (the task's image, limits and reset, as the gateway's session has them): a snapshot
+    copies the same upper dir and a restore mounts the same layers. Only its calls are timed,
+    straight on the backend.
+    """
 
     def __init__(self, runner: asyncio.Runner, root: Path) -> None:
+        from gateway.app import build_runtime
+        from gateway.settings import Settings
+
         self._runner = runner
-        self.backend = LocalBackend(root, f"bench-{uuid.uuid4().hex[:6]}")
+        self.runtime = build_runtime(Settings(data_dir=root, backend="local", node=f"bench-{uuid.uuid4().hex[:6]}",
+                                              image_cache_dir=DEFAULT_IMAGE_CACHE))
+        self.backend = self.runtime.backend
         self.times: dict[str, list[float]] = {
             label: [] for label in ("exec 1 KB", "exec 8 KB", "snapshot", "fork", f"fork per branch (n = {BRANCHES})")}
-        self.sandbox = runner.run(self._create())
+        self.sandbox = runner.run(self._open())
 
-    async def _create(self) -> SandboxInfo:
-        ref = await ensure_base_image(self.backend, DEFAULT_IMAGE_CACHE)
-        limits = tomllib.loads((TASK_DIR / "task.toml").read_text())["environment"]
-        return await self.backend.create(SandboxSpec(image=ref, resources=Resources(
-            cpus=float(limits["cpus"]), memory_mb=int(limits["memory_mb"]))))
+    async def _open(self) -> SandboxInfo:
+        from workers.envs.registry import get_family
+
+        await self.runtime.start()
+        files = {str(p.relative_to(TASK_DIR)): p.read_bytes() for p in sorted(TASK_DIR.rglob("*")) if p.is_file()}
+        task = get_family("terminal").load_task(TASK_DIR.name, files)
+        return (await self.runtime.open_session("bench", task)).sandbox
 
     def execs(self, runs: int) -> None:
         """Time ``runs`` execs of each size."""
@@ -317,7 +328,7 @@ class Bare:
         self._runner.run(run())
 
     def close(self) -> None:
-        self._runner.run(self.backend.destroy(self.sandbox.id))
+        self._runner.run(self.runtime.aclose())
 
 
 def main() -> None:
