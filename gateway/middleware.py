@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.db import close_request_db_session
 from gateway.errors import error_response
 from gateway.logs import request_id_var
+from gateway.sessions.gate import HeldRecords, holding
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("gateway.access")
@@ -34,7 +35,11 @@ class BodyTooLargeError(StarletteHTTPException):
 
 
 class RequestIdMiddleware:
-    """Give every request an id (X-Request-ID in and out), log it, answer crashes with a 500, close its DB session."""
+    """Give every request an id (X-Request-ID in and out), log it, answer crashes with a 500, close its DB session.
+
+    It also holds the session records the request makes until its answer is sent (see
+    :mod:`gateway.sessions.gate`).
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -62,9 +67,13 @@ class RequestIdMiddleware:
                 status = message["status"]
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = rid
             await send(message)
+            if message["type"] == "http.response.body":
+                held.release()  # the answer (or a stream's first chunk) is out: write what it recorded
 
+        held = HeldRecords()
         try:
-            await self.app(scope, receive, send_with_id)
+            with holding(held):
+                await self.app(scope, receive, send_with_id)
         except Exception:
             logger.exception("request %s (%s %s) failed with an unexpected error", rid, scope["method"], scope["path"])
             if started:
@@ -72,6 +81,7 @@ class RequestIdMiddleware:
             response = error_response(500, "internal_error", f"An internal error occurred (request {rid}).", rid)
             await response(scope, receive, send_with_id)
         finally:
+            held.release()
             await close_request_db_session(scope["state"])
             access_logger.info(
                 "%s %s %s %.1fms request_id=%s",

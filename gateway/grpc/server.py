@@ -21,6 +21,7 @@ from gateway.dependencies import fork_node_of, step_gate_of
 from gateway.errors import GatewayError, as_gateway_error
 from gateway.grpc.codegen import modules
 from gateway.sessions import service as sessions_service
+from gateway.sessions.gate import HeldRecords, holding
 from gateway.snapshots import service as snapshots_service
 from gateway.snapshots.schemas import MAX_FORK
 
@@ -56,14 +57,17 @@ class SessionsServicer(pb2_grpc.SessionsServicer):  # type: ignore[misc,name-def
                 await context.abort(grpc.StatusCode.NOT_FOUND, exc.message)
         async for request in request_iterator:
             call = request.WhichOneof("call")
+            held = HeldRecords()
             try:
-                async with state.sessionmaker() as db:
-                    if call == "snapshot":
-                        reply = await self._snapshot(db, request.seq, session_id)
-                    elif call == "fork":
-                        reply = await self._fork(db, request.seq, request.fork)
-                    else:
-                        reply = await self._step(db, request, session_id)
+                # The records the call makes are written once its reply is sent (gateway.sessions.gate).
+                with holding(held):
+                    async with state.sessionmaker() as db:
+                        if call == "snapshot":
+                            reply = await self._snapshot(db, request.seq, session_id)
+                        elif call == "fork":
+                            reply = await self._fork(db, request.seq, request.fork)
+                        else:
+                            reply = await self._step(db, request, session_id)
             except json.JSONDecodeError as exc:
                 reply = _error(request.seq, GatewayError(422, "validation_error",
                                                          f"arguments_json is not JSON: {exc}."))
@@ -73,7 +77,10 @@ class SessionsServicer(pb2_grpc.SessionsServicer):  # type: ignore[misc,name-def
                     logger.warning("gRPC %s of session %s failed with %s: %s", call or "step", session_id,
                                    mapped.code, exc, exc_info=exc)
                 reply = _error(request.seq, mapped)
-            yield reply
+            try:
+                yield reply
+            finally:
+                held.release()
 
     async def _step(self, db: Any, request: Any, session_id: str) -> Any:
         arguments = json.loads(request.arguments_json or "{}")

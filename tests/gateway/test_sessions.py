@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from sqlalchemy import update
 
 from gateway.app import create_app
@@ -9,7 +11,7 @@ from gateway.db import create_engine, create_sessionmaker
 from gateway.sandboxes.models import Sandbox
 from gateway.sessions.models import EnvSession, SessionState
 from sandboxes.base import SandboxState
-from tests.gateway.conftest import FakeRuntime, asgi_client, assert_error, make_settings, task_files
+from tests.gateway.conftest import API_KEY, FakeRuntime, asgi_client, assert_error, make_settings, task_files
 
 
 async def test_session_flow_open_step_submit_close(gateway):
@@ -209,6 +211,80 @@ async def test_step_records_are_written_behind_in_order_and_settle_waits_for_the
     assert [w for w in written if w[0] == "a"] == [("a", 0), ("a", 2)]
     assert "writing a record failed" in caplog.text
     await gate.settle("never-stepped")  # nothing pending: returns at once
+
+
+async def test_a_requests_records_wait_until_it_releases_them_or_settles():
+    import asyncio
+
+    from gateway.sessions.gate import HeldRecords, StepGate, holding
+
+    gate = StepGate(write_behind=True)
+    written: list[int] = []
+
+    def write(n: int):
+        async def run() -> None:
+            written.append(n)
+        return run
+
+    held = HeldRecords()
+    with holding(held):
+        gate.record("a", write(0))
+    gate.record("a", write(1))  # outside the request: starts at once, yet after the held one (same session)
+    await asyncio.sleep(0.05)
+    assert written == []
+    held.release()
+    await gate.settle("a")
+    assert written == [0, 1]
+    with holding(HeldRecords()):  # a request that reads its own records lets them go first
+        gate.record("a", write(2))
+        await asyncio.wait_for(gate.settle("a"), 1)
+    assert written == [0, 1, 2]
+
+
+async def test_a_steps_record_is_written_after_its_answer_is_sent(gateway):
+    """Behind the answer means after it: the write starts once the response body has been sent."""
+    from gateway.dependencies import step_gate_of
+
+    task = await gateway.import_task("hello")
+    session = await gateway.open_session(task["id"])
+    gate = step_gate_of(gateway.app)
+    events: list[str] = []
+    record = gate.record
+
+    def spying(session_id, write):
+        async def logged() -> None:
+            events.append("write")
+            await write()
+        return record(session_id, logged)
+
+    gate.record = spying
+    body = b'{"action": {"tool": "bash", "arguments": {"command": "echo hi"}}}'
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": f"/v1/sessions/{session['id']}/step", "raw_path": b"", "query_string": b"", "root_path": "",
+             "headers": [(b"authorization", f"Bearer {API_KEY}".encode()), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())],
+             "client": ("127.0.0.1", 1), "server": ("gateway.test", 80)}
+    sent = {"done": False}
+
+    async def receive():
+        if sent["done"]:
+            await asyncio.sleep(3600)
+        sent["done"] = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            events.append(f"status {message['status']}")
+        elif message["type"] == "http.response.body":
+            for _ in range(5):  # the loop turns while the body goes out: no write may start meanwhile
+                await asyncio.sleep(0)
+            events.append("body")
+
+    await gateway.app(scope, receive, send)
+    await gate.settle(session["id"])
+    assert events == ["status 200", "body", "write"]
+    steps = (await gateway.client.get(f"/v1/sessions/{session['id']}/steps")).json()["items"]
+    assert [s["action"]["arguments"]["command"] for s in steps] == ["echo hi"]
 
 
 async def test_every_live_sandbox_gets_a_row_and_gone_ones_are_marked(gateway):
