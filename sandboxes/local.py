@@ -660,8 +660,8 @@ class LocalBackend:
         """Layers that creates and restores in flight mount before any meta.json names them; the layer GC keeps them."""
         self._retired_layers: set[str] = set()
         """Layers of deleted snapshots only sandboxes still use: freed when the last of them goes."""
-        self._retired_found = False
-        """Whether the retired layers of sandboxes an earlier process left were looked for."""
+        self._retired_scan: asyncio.Future[tuple[set[str], set[str]]] | None = None
+        """The one look for the retired layers of sandboxes an earlier process left (see :meth:`_find_retired_layers`)."""
         self._volatile = True
         self._closed = False
 
@@ -793,9 +793,12 @@ class LocalBackend:
                                    created_at=path.stat().st_mtime, in_use=ref in in_use))
         return sorted(found, key=lambda i: (i.created_at, i.ref))
 
-    def _layer_users(self) -> tuple[set[str], set[str]]:
-        """Return the layers images, snapshots and mounts in flight use, and those sandboxes use."""
-        stored: set[str] = set(self._mounting)
+    def _layer_users(self, mounting: Iterable[str]) -> tuple[set[str], set[str]]:
+        """Return the layers images, snapshots and ``mounting`` (mounts in flight) use, and those sandboxes use.
+
+        Blocking: it reads every manifest, snapshot and sandbox record.
+        """
+        stored: set[str] = set(mounting)
         for path in (*self._images.rglob("*.json"), *self._snapshots.glob("*.json")):
             try:
                 stored.update(json.loads(path.read_text()).get("layers", []))
@@ -809,13 +812,20 @@ class LocalBackend:
     async def _free_layers(self, only: Iterable[str] | None = None) -> set[str]:
         """Remove the layers (of ``only``, if given) nothing uses; return those sandboxes alone still use.
 
-        The caller holds :attr:`_images_lock`.
+        The caller holds :attr:`_images_lock`. The scan and the removals run in a worker thread:
+        on the event loop, the scan held every other request for as long as it read records.
+        The mounts in flight are read here, on the loop, where :meth:`_pinned` changes them.
         """
-        stored, live = self._layer_users()
+        return await asyncio.to_thread(self._free_layers_now, set(self._mounting),
+                                       None if only is None else list(only))
+
+    def _free_layers_now(self, mounting: set[str], only: list[str] | None) -> set[str]:
+        """:meth:`_free_layers`, blocking."""
+        stored, live = self._layer_users(mounting)
         candidates = [str(p) for p in self._layers.iterdir() if not p.name.startswith(".")] if only is None else only
         for layer in candidates:
             if layer not in stored and layer not in live:
-                await asyncio.to_thread(shutil.rmtree, layer, True)
+                shutil.rmtree(layer, True)
         return live - stored
 
     async def seal_upper(self, sandbox_id: str) -> Path:
@@ -1643,11 +1653,12 @@ class LocalBackend:
                 return
             if sb is None:  # another process made it (a restart, a reaper): its layers are on disk
                 layers = list((self._read_meta(sandbox_id) or {}).get("layers", []))
-                self._find_retired_layers()
+                teardown = self._teardown_found(sandbox_id)
             else:
                 layers = sb.layers
+                teardown = self._teardown(sandbox_id, sb)
             # Concurrent destroys of one id share this task; it runs to the end even if a caller is cancelled.
-            task = asyncio.ensure_future(self._teardown(sandbox_id, sb))
+            task = asyncio.ensure_future(teardown)
             self._destroying[sandbox_id] = task
             task.add_done_callback(lambda _t: self._destroying.pop(sandbox_id, None))
         await asyncio.shield(task)
@@ -1657,15 +1668,28 @@ class LocalBackend:
                 still = await self._free_layers(retired)
                 self._retired_layers -= retired - still
 
-    def _find_retired_layers(self) -> None:
+    async def _teardown_found(self, sandbox_id: str) -> None:
+        """Tear down a sandbox another process made, once the layers only sandboxes use are counted as retired."""
+        await self._find_retired_layers()  # while its record still counts among them
+        await self._teardown(sandbox_id, None)
+
+    async def _find_retired_layers(self) -> None:
         """Count as retired the layers only sandboxes use, once per backend (an earlier process deleted their snapshots).
 
         Every removal checks again that nothing uses them.
         """
-        if self._retired_found:
+        if self._retired_scan is None:  # concurrent teardowns share the one scan
+            self._retired_scan = asyncio.ensure_future(asyncio.to_thread(self._layer_users, set(self._mounting)))
+            self._retired_scan.add_done_callback(self._count_retired)
+        await asyncio.wait([self._retired_scan])  # a failed look counts nothing (logged), and the teardown goes on
+
+    def _count_retired(self, scan: asyncio.Future[tuple[set[str], set[str]]]) -> None:
+        if scan.cancelled():
             return
-        self._retired_found = True
-        stored, live = self._layer_users()
+        if scan.exception() is not None:
+            logger.warning("looking for the retired layers under %s failed: %s", self._layers, scan.exception())
+            return
+        stored, live = scan.result()
         self._retired_layers |= live - stored
 
     async def _teardown(self, sandbox_id: str, sb: _Sandbox | None) -> None:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 import forkyard
-from tests.conftest import leftover_sandboxes
+from tests.conftest import leftover_sandboxes, leftover_storage
 from tests.e2e.test_branching import POLICY as TREE_POLICY
 from tests.e2e.test_rollouts import wait_done
 from tests.e2e.test_terminal_tasks import TASKS_DIR
@@ -94,6 +94,8 @@ def world(tmp_path_factory) -> Iterator[World]:
                 f.workers[node].stop()
             for node, backend in NODES.items():
                 assert leftover_sandboxes(backend, node, f.data_dir(node)) == [], node
+                # Also when the eviction test did not run (-k): the setup cache is emptied here.
+                assert {k: v for k, v in leftover_storage(backend, node, f.data_dir(node)).items() if v} == {}, node
 
 
 @pytest.fixture(scope="module")

@@ -419,23 +419,24 @@ async def test_orphan_after_a_crash_is_listed_and_destroyed(backend_root, base_r
 async def test_a_branch_an_earlier_process_left_takes_its_deleted_snapshot_with_it(
     backend_root, base_rootfs, node_name
 ):
-    """A snapshot deleted under a running branch is freed when that branch goes, even by the next process."""
+    """A snapshot deleted under running branches is freed when the last goes, even by the next process."""
     node = f"{node_name}-{uuid.uuid4().hex[:6]}"
     first = LocalBackend(backend_root, node)
     await first.import_rootfs(str(base_rootfs), BASE_REF, BASE_CONFIG)
     info = await first.create(SPEC)
     await first.exec(info.id, "echo kept > /blob")  # the snapshot's own layer holds it
     snap = await first.snapshot(info.id)
-    [branch] = await first.restore(snap)
-    ids = [info.id, branch.id]
+    branches = await first.restore(snap, 2)
+    ids = [info.id, *(b.id for b in branches)]
     layer = Path(snap.layers[-1])
     second = None
     try:
         await first.delete_snapshot(snap.id)
-        assert layer.exists()  # the branch stands on it
+        assert layer.exists()  # the branches stand on it
         await first.aclose()  # a restart: the sandboxes stay
         second = LocalBackend(backend_root, node)  # it can only destroy what the first left
-        await second.destroy(branch.id)
+        # At once: both wait for the one look for retired layers, taken while both were there.
+        await asyncio.gather(*(second.destroy(b.id) for b in branches))
         assert not layer.exists()
         await second.destroy(info.id)
         assert local_leftovers(backend_root, ids) == []
