@@ -34,7 +34,7 @@ SESSION_KEY = "x-forkyard-session"
 
 
 class SessionsServicer(pb2_grpc.SessionsServicer):  # type: ignore[misc,name-defined]
-    """Steps sessions of the app's runtime; reads what the lifespan built from ``app.state``."""
+    """Steps, snapshots and forks the sessions of the app's runtime; reads what the lifespan built from ``app.state``."""
 
     def __init__(self, app: FastAPI) -> None:
         self._app = app

@@ -168,7 +168,7 @@ def test_favor_dynamic_moves_on_this_host(backend_root):
     features = Path("/sys/kernel/cgroup/features")
     if FAVOR_DYNMODS not in (features.read_text().split() if features.exists() else []):
         pytest.skip("this kernel has no favordynmods (Linux < 6.0)")
-    LocalBackend(backend_root, "n")
+    asyncio.run(LocalBackend(backend_root, "n").aclose())  # closed: its mount and disk dirs go with it
     mounts = [line.split(" - ")[1].split() for line in Path("/proc/self/mountinfo").read_text().splitlines()]
     options = [m[2].split(",") for m in mounts if m[0] == "cgroup2"]
     assert options, "no cgroup2 mount on this host"
