@@ -660,7 +660,7 @@ class LocalBackend:
         """Layers that creates and restores in flight mount before any meta.json names them; the layer GC keeps them."""
         self._retired_layers: set[str] = set()
         """Layers of deleted snapshots only sandboxes still use: freed when the last of them goes."""
-        self._retired_scan: asyncio.Future[tuple[set[str], set[str]]] | None = None
+        self._retired_scan: asyncio.Future[None] | None = None
         """The one look for the retired layers of sandboxes an earlier process left (see :meth:`_find_retired_layers`)."""
         self._volatile = True
         self._closed = False
@@ -828,18 +828,13 @@ class LocalBackend:
                 shutil.rmtree(layer, True)
         return live - stored
 
-    async def seal_upper(self, sandbox_id: str) -> Path:
-        """Copy the sandbox's upper dir into a new immutable layer and return its path.
+    async def _seal_upper(self, sandbox_id: str, *, digest: bool = False) -> tuple[Path, str]:
+        """Copy the sandbox's upper dir into a new immutable layer; return its path and, if ``digest``, its digest.
 
         ``cp -a`` as root keeps overlay whiteouts (0/0 char devices) and the
         ``trusted.overlay.opaque`` xattrs, so the layer means the same as a lower layer.
-        """
-        return (await self._seal_upper(sandbox_id, digest=False))[0]
-
-    async def _seal_upper(self, sandbox_id: str, *, digest: bool) -> tuple[Path, str]:
-        """:meth:`seal_upper`, also returning the new layer's :func:`tree_digest` if ``digest`` ("" if not).
-
-        The digest is taken in the copy's thread: one hop less than a thread of its own.
+        The :func:`tree_digest` ("" unless ``digest``) is taken in the copy's thread: one hop
+        less than a thread of its own.
         """
         sdir = self._sandbox_dir(sandbox_id)
         upper = self._disk_dir(sandbox_id) / "upper"
@@ -884,9 +879,9 @@ class LocalBackend:
         async with self._images_lock:
             if sb is not None:
                 async with sb.lock:  # no command writes while we copy
-                    layer = await self.seal_upper(sandbox_id)
+                    layer, _ = await self._seal_upper(sandbox_id)
             else:
-                layer = await self.seal_upper(sandbox_id)
+                layer, _ = await self._seal_upper(sandbox_id)
             manifest.parent.mkdir(parents=True, exist_ok=True)
             _write_json(
                 manifest,
@@ -1679,17 +1674,15 @@ class LocalBackend:
         Every removal checks again that nothing uses them.
         """
         if self._retired_scan is None:  # concurrent teardowns share the one scan
-            self._retired_scan = asyncio.ensure_future(asyncio.to_thread(self._layer_users, set(self._mounting)))
-            self._retired_scan.add_done_callback(self._count_retired)
-        await asyncio.wait([self._retired_scan])  # a failed look counts nothing (logged), and the teardown goes on
+            self._retired_scan = asyncio.ensure_future(self._scan_retired_layers())
+        await asyncio.wait([self._retired_scan])
 
-    def _count_retired(self, scan: asyncio.Future[tuple[set[str], set[str]]]) -> None:
-        if scan.cancelled():
+    async def _scan_retired_layers(self) -> None:
+        try:
+            stored, live = await asyncio.to_thread(self._layer_users, set(self._mounting))
+        except Exception as exc:  # it counts nothing, and the teardowns go on
+            logger.warning("looking for the retired layers under %s failed: %s", self._layers, exc)
             return
-        if scan.exception() is not None:
-            logger.warning("looking for the retired layers under %s failed: %s", self._layers, scan.exception())
-            return
-        stored, live = scan.result()
         self._retired_layers |= live - stored
 
     async def _teardown(self, sandbox_id: str, sb: _Sandbox | None) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 from fastapi import FastAPI
+from pydantic import ValidationError
 
 from gateway.auth import service as auth_service
 from gateway.dependencies import fork_node_of, step_gate_of
@@ -23,7 +24,7 @@ from gateway.grpc.codegen import modules
 from gateway.sessions import service as sessions_service
 from gateway.sessions.gate import HeldRecords, holding
 from gateway.snapshots import service as snapshots_service
-from gateway.snapshots.schemas import MAX_FORK
+from gateway.snapshots.schemas import SnapshotFork
 
 logger = logging.getLogger(__name__)
 
@@ -102,17 +103,19 @@ class SessionsServicer(pb2_grpc.SessionsServicer):  # type: ignore[misc,name-def
         return pb2.StepReply(seq=seq, result_json=snapshots_service.snapshot_read(record).model_dump_json())
 
     async def _fork(self, db: Any, seq: int, fork: Any) -> Any:
-        n = fork.n or 1
-        if not fork.snapshot_id or n > MAX_FORK:
-            raise GatewayError(422, "validation_error",
-                               f"A fork names its snapshot_id and forks 1 to {MAX_FORK} sessions (n = {n}).")
+        try:  # REST's body, so the same rules (1 <= n <= MAX_FORK)
+            body = SnapshotFork(n=fork.n or 1)
+        except ValidationError as exc:
+            raise GatewayError(422, "validation_error", f"Fork n = {fork.n}: {exc.errors()[0]['msg']}.") from exc
+        if not fork.snapshot_id:
+            raise GatewayError(422, "validation_error", "A fork names its snapshot_id.")
         forks = await snapshots_service.fork_snapshot(
-            db_session=db, runtime=self._app.state.runtime, snapshot_id=fork.snapshot_id, n=n,
+            db_session=db, runtime=self._app.state.runtime, snapshot_id=fork.snapshot_id, n=body.n,
             node=fork_node_of(self._app), max_open=self._app.state.settings.sessions.max_open,
             gate=step_gate_of(self._app),
         )
-        body = snapshots_service.forked_sessions(fork.snapshot_id, forks)
-        return pb2.StepReply(seq=seq, result_json=body.model_dump_json())
+        forked = snapshots_service.forked_sessions(fork.snapshot_id, forks)
+        return pb2.StepReply(seq=seq, result_json=forked.model_dump_json())
 
 
 def _error(seq: int, error: GatewayError) -> Any:

@@ -10,13 +10,12 @@ from gateway.snapshots import service
 from gateway.snapshots.schemas import ForkedSessions, SnapshotFork, SnapshotPage, SnapshotRead
 
 router = APIRouter(tags=["snapshots"])
-_read = service.snapshot_read
 
 
 @router.post("/sessions/{session_id}/snapshot", status_code=201, response_model=SnapshotRead)
 async def snapshot_session(session_id: str, db_session: DbSession, runtime: Runtime, gate: Gate):
     """Snapshot an open session (filesystem, shell cwd and exports, history); not its background processes."""
-    return _read(await service.snapshot_session(db_session=db_session, runtime=runtime, session_id=session_id,
+    return service.snapshot_read(await service.snapshot_session(db_session=db_session, runtime=runtime, session_id=session_id,
                                                 gate=gate))
 
 
@@ -46,14 +45,14 @@ async def list_snapshots(
     rows, next_cursor = await service.list_snapshots(
         db_session=db_session, session_id=session_id or None, limit=limit, cursor=cursor
     )
-    return SnapshotPage(items=[_read(r) for r in rows], next=next_cursor)
+    return SnapshotPage(items=[service.snapshot_read(r) for r in rows], next=next_cursor)
 
 
 @router.get("/snapshots/{snapshot_id}", response_model=SnapshotRead)
 async def get_snapshot(snapshot_id: str, db_session: DbSession, gate: Gate):
     """Return one snapshot."""
     await gate.settle()
-    return _read(await service.get_snapshot(db_session=db_session, snapshot_id=snapshot_id))
+    return service.snapshot_read(await service.get_snapshot(db_session=db_session, snapshot_id=snapshot_id))
 
 
 @router.delete("/snapshots/{snapshot_id}", status_code=204, response_class=Response)
@@ -68,7 +67,7 @@ async def delete_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runt
 async def pin_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime, gate: Gate):
     """Pin a snapshot: it cannot be deleted, and outlives its session and forks, until unpinned."""
     await gate.settle()
-    return _read(await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id,
+    return service.snapshot_read(await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id,
                                           pinned=True))
 
 
@@ -76,5 +75,5 @@ async def pin_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime
 async def unpin_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime, gate: Gate):
     """Unpin a snapshot; one that nothing else holds (open source session or fork) is deleted."""
     await gate.settle()
-    return _read(await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id,
+    return service.snapshot_read(await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id,
                                           pinned=False))
