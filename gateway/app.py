@@ -15,12 +15,14 @@ from gateway.auth import service as auth_service
 from gateway.auth.dependencies import require_api_key
 from gateway.console.router import install_console
 from gateway.db import (
+    RecordWriter,
     check_database,
     create_engine,
     create_sessionmaker,
     redact_database_url,
     upgrade_database,
 )
+from gateway.dependencies import step_gate_of
 from gateway.environments import service as environments_service
 from gateway.environments.router import router as environments_router
 from gateway.episodes.router import router as episodes_router
@@ -125,6 +127,9 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None, distrib
             raise
         engine = create_engine(url)
         sessionmaker = create_sessionmaker(engine)
+        writer = RecordWriter(url)
+        gate = step_gate_of(app)
+        gate.writer = writer  # records are written behind the answers while the app runs
         app.state.settings = settings
         app.state.engine = engine
         app.state.sessionmaker = sessionmaker
@@ -209,9 +214,9 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None, distrib
                 if executor is not None:
                     # Episodes still running stay `running` in the DB and are requeued at the next start.
                     await executor.aclose()
-                gate = getattr(app.state, "step_gate", None)
-                if gate is not None:
-                    await gate.settle()  # the step records still being written
+                await gate.settle()  # the records still being written
+                gate.writer = None  # from now on, written before the answers (the sessions' closes)
+                await asyncio.to_thread(writer.close)
                 if rt is not None:
                     try:
                         async with sessionmaker() as db_session:
@@ -224,6 +229,9 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None, distrib
                         if runtime is None:
                             await rt.aclose()
             finally:
+                if gate.writer is writer:  # a shutdown that failed before letting the writer go
+                    gate.writer = None
+                    await asyncio.to_thread(writer.close)
                 await engine.dispose()
 
     app = FastAPI(

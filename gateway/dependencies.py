@@ -53,7 +53,7 @@ def step_gate_of(app: Any) -> StepGate:
     """Return ``app``'s record of which sessions are stepping or closing (REST and gRPC share it)."""
     gate = getattr(app.state, "step_gate", None)
     if gate is None:
-        gate = app.state.step_gate = StepGate(write_behind=True)
+        gate = app.state.step_gate = StepGate()  # the lifespan gives it its writer
     return gate
 
 

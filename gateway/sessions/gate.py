@@ -5,7 +5,10 @@ transaction) cost more than the rest of the gateway's work on a step. Writes of 
 session run in order; whatever reads a session's steps (its record, its steps, a
 snapshot of it, its close, a terminal step) first waits for that session's pending ones,
 so this process always reads its own writes. A crash can lose the records of the steps
-answered in the last milliseconds, of sessions the restart then marks failed.
+answered in the last milliseconds, of sessions the restart then marks failed. The app's
+gate writes them with a :class:`~gateway.db.RecordWriter` (a sync engine in a thread of its
+own): through the asyncio layer a record cost ~0.7 ms of CPU, most of it on the event
+loop beside the next request; there it costs ~0.25 ms, off the loop.
 
 A snapshot's row is written behind its answer too, in its session's order: whatever reads
 snapshot rows (a fork, GET, list, pin, delete) settles it first. A crash that loses one
@@ -30,8 +33,12 @@ import contextvars
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING
 
 from gateway.errors import ConflictError
+
+if TYPE_CHECKING:
+    from gateway.db import RecordWriter
 
 logger = logging.getLogger(__name__)
 
@@ -105,13 +112,18 @@ class StepGate:
     ``session_closed`` and the session ends ``closed``, not ``failed``.
     """
 
-    def __init__(self, *, write_behind: bool = False) -> None:
+    def __init__(self, *, writer: RecordWriter | None = None) -> None:
         self._stepping: set[str] = set()
         self._closing: set[str] = set()
-        self.write_behind = write_behind
-        """Whether step records are written after the answer (the app's gate) or before it."""
+        self.writer = writer
+        """Writes the records behind the answers (the app's gate, while the app runs); None: before them."""
         self._writes: dict[str, asyncio.Task[None]] = {}  # the latest pending write of each session
         self._facts: dict[str, SessionFacts] = {}
+
+    @property
+    def write_behind(self) -> bool:
+        """Whether records are written after the answer (by :attr:`writer`) or before it."""
+        return self.writer is not None
 
     def know(self, session_id: str, facts: SessionFacts) -> None:
         """Keep ``facts`` of an open session this process alone steps (see the module's note)."""

@@ -5,6 +5,7 @@ No database transaction stays open while the runtime works (a step can take minu
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Iterable
@@ -12,7 +13,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from sqlalchemy import bindparam, func, insert, select, update
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 
 from gateway.artifacts.service import store_artifacts
 from gateway.db import new_id, utcnow
@@ -254,14 +256,18 @@ _STEP_COUNT = (
 )
 
 
-async def _record_step(db: AsyncSession | AsyncConnection, step: dict) -> str | None:
-    """Write one step's row and count it (one short transaction, whatever the history's length); return the node."""
-    counted = (await db.execute(_STEP_COUNT, {"sid": step["session_id"]})).first()
+def _record_step(db: Session, step: dict) -> str | None:
+    """Write one step's row and count it (one short transaction, whatever the history's length); return the node.
+
+    Synchronous: the gate's :class:`~gateway.db.RecordWriter` runs it behind the answer, a
+    request's session through ``run_sync`` before it.
+    """
+    counted = db.execute(_STEP_COUNT, {"sid": step["session_id"]}).first()
     if counted is None:
         logger.warning("session %s is gone; its step was not recorded", step["session_id"])
         return None
     count, node = counted
-    await db.execute(_STEP_INSERT, {**step, "seq": count - 1})
+    db.execute(_STEP_INSERT, {**step, "seq": count - 1})
     return node
 
 
@@ -325,17 +331,11 @@ async def _step_once(
         gate.forget(session_id)
     else:
         gate.stepped(session_id, result.observation)
-    if gate.write_behind and not ended:
-        engine = db_session.bind
-
-        async def write() -> None:
-            async with engine.begin() as conn:
-                await _record_step(conn, step)
-
-        gate.record(session_id, write)
+    if gate.writer is not None and not ended:
+        gate.record(session_id, functools.partial(gate.writer.run, functools.partial(_record_step, step=step)))
         return result
     await gate.settle(session_id)  # the earlier steps' records first, then this one's, then the end
-    node = await _record_step(db_session, step)
+    node = await db_session.run_sync(_record_step, step)
     await db_session.commit()
     if ended:
         await _finish(db_session, session_id, SessionState.TERMINATED, reward=result.reward)

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from gateway.db import new_id, utcnow
+from gateway.db import RecordWriter, new_id, utcnow
 from gateway.errors import ConflictError, NotFoundError, RateLimitedError
 from gateway.pagination import page_of, paginate
 from gateway.sandboxes.models import Sandbox
@@ -155,8 +156,8 @@ async def snapshot_session(
         await asyncio.shield(runtime.delete_snapshot(snap.id, node=facts.node))
         raise
     known_snapshots.put(record)
-    if gate is not None and gate.write_behind:
-        gate.record(session_id, functools.partial(_write_snapshot, db_session.bind, runtime, record))
+    if gate is not None and gate.writer is not None:
+        gate.record(session_id, functools.partial(_insert_snapshot, gate.writer, runtime, record))
     else:
         await _insert_snapshot(db_session, runtime, record)
     logger.info("session %s: snapshot %s (backend %s)", session_id, record.id, snap.id)
@@ -166,22 +167,26 @@ async def snapshot_session(
 _SNAPSHOT_INSERT = insert(SnapshotRecord.__table__)
 
 
-async def _insert_snapshot(db_session: AsyncSession, runtime: WorkerClient, record: SnapshotRecord) -> None:
-    """Write a snapshot's row; if that fails, free its backend snapshot (nothing else ever would)."""
+async def _insert_snapshot(db: AsyncSession | RecordWriter, runtime: WorkerClient, record: SnapshotRecord) -> None:
+    """Write a snapshot's row; if that fails, free its backend snapshot (nothing else ever would).
+
+    ``db``: the request's session, or the gate's writer behind the answer (in its session's order).
+    """
     values = {c.key: getattr(record, c.key) for c in SnapshotRecord.__table__.columns}
     try:
-        await db_session.execute(_SNAPSHOT_INSERT, values)
-        await db_session.commit()
+        if isinstance(db, RecordWriter):
+            await db.run(functools.partial(_execute, _SNAPSHOT_INSERT, values))
+        else:
+            await db.execute(_SNAPSHOT_INSERT, values)
+            await db.commit()
     except BaseException:
         known_snapshots.drop(record.id)
         await asyncio.shield(runtime.delete_snapshot(backend_snapshot_id(record), node=record.node))
         raise
 
 
-async def _write_snapshot(engine: Any, runtime: WorkerClient, record: SnapshotRecord) -> None:
-    """Write a snapshot's row behind its answer (the gate runs it in its session's order)."""
-    async with AsyncSession(engine, expire_on_commit=False) as db:
-        await _insert_snapshot(db, runtime, record)
+def _execute(statement: Any, values: dict[str, Any], db: Session) -> None:
+    db.execute(statement, values)
 
 
 async def _source_facts(
@@ -391,17 +396,17 @@ async def _answer_forks(
     """Record the forks' sandboxes (and, ``rows_behind``, their rows) now or behind the answer; return the answer."""
     out: list[tuple[EnvSession, OpenedView]] = []
     for row, one in zip(rows, opened, strict=True):
-        claim = functools.partial(_claim_sandbox, session_id=row.id, sandbox=one.sandbox, task_id=known.task_id,
-                                  runtime=runtime)
+        claim = functools.partial(_claim, runtime=runtime, session_id=row.id, sandbox=one.sandbox,
+                                  task_id=known.task_id)
         if rows_behind:
-            assert gate is not None
+            assert gate is not None and gate.writer is not None
             values = {k: v for k, v in vars(row).items() if not k.startswith("_")}
-            gate.record(row.id, functools.partial(_write_fork, db_session.bind, runtime, gate, snapshot_id,
+            gate.record(row.id, functools.partial(_write_fork, gate.writer, runtime, gate, snapshot_id,
                                                   known.session_id, values, claim))
-        elif gate is not None and gate.write_behind:  # like a step's record: written behind the answer, in order
-            gate.record(row.id, functools.partial(_claim_behind, db_session.bind, claim))
+        elif gate is not None and gate.writer is not None:  # like a step's record: behind the answer, in order
+            gate.record(row.id, functools.partial(claim, gate.writer))
         else:
-            await claim(db_session=db_session)
+            await claim(db_session)
         if gate is not None and runtime.sole_gateway:
             gate.know(row.id, SessionFacts(task_id=known.task_id, node=row.node, steps=row.steps,
                                            observation=known.state.get("observation")))
@@ -413,18 +418,12 @@ async def _answer_forks(
     return out
 
 
-async def _claim_behind(engine: Any, claim: Callable[..., Awaitable[None]]) -> None:
-    """Record a fork's sandbox behind the answer (the gate runs it in the fork's order)."""
-    async with AsyncSession(engine, expire_on_commit=False) as db:
-        await claim(db_session=db)
-
-
 _FORK_INSERT = insert(_SESSION)
 
 
 async def _write_fork(
-    engine: Any, runtime: WorkerClient, gate: StepGate, snapshot_id: str, source_id: str, values: dict[str, Any],
-    claim: Callable[..., Awaitable[None]],
+    writer: RecordWriter, runtime: WorkerClient, gate: StepGate, snapshot_id: str, source_id: str,
+    values: dict[str, Any], claim: Callable[..., Awaitable[None]],
 ) -> None:
     """Write a fork's row and its sandbox's behind the answer, then let go of the snapshot's hold.
 
@@ -432,9 +431,7 @@ async def _write_fork(
     """
     try:
         await gate.settle(source_id)  # the snapshot's row first, if it is still being written: the fork names it
-        async with AsyncSession(engine, expire_on_commit=False) as db:
-            await db.execute(_FORK_INSERT, values)
-            await claim(db_session=db)
+        await claim(writer, fork_row=values)
     except BaseException:
         gate.forget(values["id"])
         await asyncio.shield(sessions_service._release(runtime, values["id"]))
@@ -443,27 +440,46 @@ async def _write_fork(
         fork_holds.end(snapshot_id)
 
 
-async def _claim_sandbox(
-    *, db_session: AsyncSession, session_id: str, sandbox: SandboxView, task_id: str, runtime: WorkerClient
+async def _claim(
+    db: AsyncSession | RecordWriter, *, runtime: WorkerClient, session_id: str, sandbox: SandboxView, task_id: str,
+    fork_row: dict[str, Any] | None = None,
 ) -> None:
-    """Record a fork's sandbox on its row and as a sandbox row; a fork closed meanwhile lets it go instead."""
+    """Record a fork's sandbox on its row (written first, given ``fork_row``) and as a sandbox row.
+
+    A fork closed meanwhile lets its sandbox go instead. ``db``: the request's session, or
+    the gate's writer behind the answer.
+    """
+    work = functools.partial(_claim_records, fork_row=fork_row, session_id=session_id, sandbox=sandbox,
+                             task_id=task_id)
+    if isinstance(db, RecordWriter):
+        claimed = await db.run(work)
+    else:
+        claimed = await db.run_sync(work)
+        await db.commit()
+    if not claimed:
+        logger.info("fork %s was closed while starting; its sandbox %s goes", session_id, sandbox.id)
+        await sessions_service._release(runtime, session_id)
+
+
+def _claim_records(
+    db: Session, *, fork_row: dict[str, Any] | None, session_id: str, sandbox: SandboxView, task_id: str
+) -> bool:
+    """Write a fork's records (see :func:`_claim`); return False if the fork was closed meanwhile."""
+    if fork_row is not None:
+        db.execute(_FORK_INSERT, fork_row)
     # Conditional: a fork closed (DELETE) while its sandbox was being restored stays closed.
-    claimed = await db_session.execute(
+    claimed = db.execute(
         update(_SESSION).where(_SESSION.c.id == session_id, _SESSION.c.state == SessionState.OPEN)
         .values(sandbox_id=sandbox.id, backend=sandbox.backend)
     )
     if claimed.rowcount == 0:
-        await db_session.commit()
-        logger.info("fork %s was closed while starting; its sandbox %s goes", session_id, sandbox.id)
-        await sessions_service._release(runtime, session_id)
-        return
-    await db_session.merge(Sandbox(
+        return False
+    db.merge(Sandbox(
         id=sandbox.id, node=sandbox.node, backend=sandbox.backend, state=SandboxStatus(sandbox.state),
-        session_id=session_id,
-        task_id=task_id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC), owner_kind="session",
-        owner_id=session_id,
+        session_id=session_id, task_id=task_id, created_at=datetime.fromtimestamp(sandbox.created_at, UTC),
+        owner_kind="session", owner_id=session_id,
     ))
-    await db_session.commit()
+    return True
 
 
 async def _instruction(db_session: AsyncSession, task_id: str) -> str:

@@ -190,7 +190,7 @@ async def test_step_records_are_written_behind_in_order_and_settle_waits_for_the
 
     from gateway.sessions.gate import StepGate
 
-    gate = StepGate(write_behind=True)
+    gate = StepGate()
     written: list[tuple[str, int]] = []
 
     def write(session: str, n: int, delay: float, fail: bool = False):
@@ -218,7 +218,7 @@ async def test_a_requests_records_wait_until_it_releases_them_or_settles():
 
     from gateway.sessions.gate import HeldRecords, StepGate, holding
 
-    gate = StepGate(write_behind=True)
+    gate = StepGate()
     written: list[int] = []
 
     def write(n: int):

@@ -532,13 +532,13 @@ async def test_a_fork_whose_sandbox_is_lost_before_its_row_is_written_ends_faile
     task = await gateway.import_task("lost-early")
     source = await gateway.open_session(task["id"])
     snap = await snapshot(gateway, source["id"])
-    real_claim = snapshots_service._claim_sandbox
+    real_claim = snapshots_service._claim
 
-    async def slow_claim(**kwargs):
+    async def slow_claim(*args, **kwargs):
         await asyncio.sleep(0.2)  # the row is still being written when the step fails
-        await real_claim(**kwargs)
+        await real_claim(*args, **kwargs)
 
-    monkeypatch.setattr(snapshots_service, "_claim_sandbox", slow_claim)
+    monkeypatch.setattr(snapshots_service, "_claim", slow_claim)
     (child,) = await fork(gateway, snap["id"], 1)
     gateway.runtime.sessions.pop(child["id"])  # the worker lost it
     response = await gateway.client.post(f"/v1/sessions/{child['id']}/step",
