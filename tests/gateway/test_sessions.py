@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from sqlalchemy import update
 
 from gateway.app import create_app
@@ -329,3 +330,54 @@ async def test_every_live_sandbox_gets_a_row_and_gone_ones_are_marked(gateway):
     assert (found[brief].owner_kind, found[brief].owner_id, found[brief].state) == ("episode", "ep_3", "gone")
     assert found[brief].gone_at is not None
     assert await beat.record_sandboxes() == 0, "read again from the ledger, recorded once"
+
+
+async def test_records_behind_answers_run_in_the_writers_thread_and_a_failed_one_rolls_back(gateway):
+    """Steps, snapshots and forks are written by the gate's RecordWriter, one transaction each, off the event loop."""
+    import threading
+
+    from sqlalchemy import select
+
+    from gateway.dependencies import step_gate_of
+    from gateway.sessions.models import SessionStep
+
+    gate = step_gate_of(gateway.app)
+    writer = gate.writer
+    assert writer is not None
+    threads: list[str] = []
+    run = writer.run
+
+    async def spying(work):
+        def traced(db):
+            threads.append(threading.current_thread().name)
+            return work(db)
+        return await run(traced)
+
+    writer.run = spying
+    try:
+        task = await gateway.import_task("hello")
+        session = await gateway.open_session(task["id"])
+        step = await gateway.client.post(f"/v1/sessions/{session['id']}/step",
+                                         json={"action": {"tool": "bash", "arguments": {"command": "echo hi"}}})
+        assert step.status_code == 200, step.text
+        snap = await gateway.client.post(f"/v1/sessions/{session['id']}/snapshot")
+        assert snap.status_code == 201, snap.text
+        forked = await gateway.client.post(f"/v1/snapshots/{snap.json()['id']}/fork", json={"n": 1})
+        assert forked.status_code == 201, forked.text
+        await gate.settle()
+    finally:
+        del writer.run
+    assert len(threads) == 3 and all(name.startswith("forkyard-records") for name in threads), threads
+    assert threading.current_thread().name not in threads
+
+    def fails(db):
+        db.execute(update(EnvSession).where(EnvSession.id == session["id"]).values(steps=99))
+        raise RuntimeError("the record is refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        await writer.run(fails)
+    read = (await gateway.client.get(f"/v1/sessions/{session['id']}")).json()
+    assert read["steps"] == 1  # rolled back
+    async with gateway.app.state.sessionmaker() as db:
+        seqs = (await db.scalars(select(SessionStep.seq).where(SessionStep.session_id == session["id"]))).all()
+    assert list(seqs) == [0]
