@@ -307,7 +307,8 @@ async def fork_snapshot(
     await asyncio.wait([launched, forking], return_when=asyncio.FIRST_COMPLETED)
     if behind:
         assert gate is not None
-        opened = await _fork_held(db_session, runtime, snapshot_id, rows, forking, node)
+        assert gate.writer is not None
+        opened = await _fork_held(db_session, gate.writer, runtime, snapshot_id, rows, forking, node)
         observation = known.state.get("observation") or await _instruction(db_session, known.task_id)
         return await _answer_forks(db_session, runtime, snapshot_id, known, rows, opened, observation, gate,
                              rows_behind=True)
@@ -353,17 +354,18 @@ async def fork_snapshot(
 
 
 async def _fork_held(
-    db_session: AsyncSession, runtime: WorkerClient, snapshot_id: str, rows: list[EnvSession],
+    db_session: AsyncSession, writer: RecordWriter, runtime: WorkerClient, snapshot_id: str, rows: list[EnvSession],
     forking: asyncio.Future, node: str,
 ) -> list[OpenedView]:
     """The forks of a snapshot :data:`fork_holds` holds: read the drain flag beside the restore, then wait for it.
 
+    The flag is read in the gate's writer thread: through the asyncio layer the read's
+    hops and driver work ran on the event loop, between the restore's own steps there.
     Whatever fails lets go of the hold; a failed restore leaves its forks' rows, failed.
     """
     ids = [r.id for r in rows]
     try:
-        draining, _ = await sessions_service.admission(db_session=db_session, node=node)
-        await db_session.commit()
+        draining = await writer.run(functools.partial(sessions_service.node_draining, node=node))
         if draining:
             raise sessions_service.draining_error(node)
     except BaseException:

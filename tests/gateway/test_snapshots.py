@@ -412,18 +412,22 @@ async def test_a_sole_gateway_forks_a_known_snapshot_reading_only_the_drain_flag
     await step(gateway, source["id"], "echo one")
     snap = await snapshot(gateway, source["id"])
     reads: list[str] = []
-    real_admission = sessions_service.admission
+    real_draining = sessions_service.node_draining
 
     async def live(*args, **kwargs):
         raise AssertionError("the snapshot's row was read")
 
     async def admission(**kwargs):
+        raise AssertionError("the open sessions were counted")
+
+    def node_draining(db, node):
         reads.append("drain")
-        return await real_admission(**kwargs)
+        return real_draining(db, node)
 
     monkeypatch.setattr(snapshots_service, "_live", live)
     monkeypatch.setattr(snapshots_service, "get_snapshot", live)
     monkeypatch.setattr(sessions_service, "admission", admission)
+    monkeypatch.setattr(sessions_service, "node_draining", node_draining)
     children = await fork(gateway, snap["id"], 2)
     assert reads == ["drain"] and all(c["sandbox_id"] in gateway.runtime.sandboxes for c in children)
     for child in children:  # each read at once: the reader settles the row written behind the answer
