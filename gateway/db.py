@@ -149,8 +149,9 @@ class RecordWriter:
     driver's work runs on the event loop: one snapshot row cost ~0.7 ms of CPU here, most
     of it beside the next request. Here a record is one hop and ~0.25 ms, off the loop.
     The thread runs one record at a time, in the order they come (the gate orders each
-    session's); a fork reads its node's drain flag here too, beside its restore. Its engine is the database's own: readers of the async engine see a record
-    once :meth:`run` has returned.
+    session's); a fork reads its node's drain flag here too, beside its restore. Its
+    engine is the database's own: readers of the async engine see a record once
+    :meth:`run` has returned.
     """
 
     def __init__(self, url: str) -> None:
