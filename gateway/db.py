@@ -183,6 +183,19 @@ class RecordWriter:
         self._engine.dispose()
 
 
+async def write_records(db: AsyncSession | RecordWriter, work: Callable[[Session], T]) -> T:
+    """Run the sync record function ``work`` in one transaction: the gate's writer's, or the request's ``db``.
+
+    The records written behind an answer go to the writer; written before it (no writer: a
+    gate outside the app, or the app shutting down), they use the request's session.
+    """
+    if isinstance(db, RecordWriter):
+        return await db.run(work)
+    result = await db.run_sync(work)
+    await db.commit()
+    return result
+
+
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     """Return the session factory the request dependency uses."""
     return async_sessionmaker(engine, expire_on_commit=False)

@@ -120,11 +120,6 @@ class StepGate:
         self._writes: dict[str, asyncio.Task[None]] = {}  # the latest pending write of each session
         self._facts: dict[str, SessionFacts] = {}
 
-    @property
-    def write_behind(self) -> bool:
-        """Whether records are written after the answer (by :attr:`writer`) or before it."""
-        return self.writer is not None
-
     def know(self, session_id: str, facts: SessionFacts) -> None:
         """Keep ``facts`` of an open session this process alone steps (see the module's note)."""
         self._facts.pop(session_id, None)

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from gateway.artifacts.service import store_artifacts
-from gateway.db import new_id, utcnow
+from gateway.db import new_id, utcnow, write_records
 from gateway.errors import ConflictError, NotFoundError, RateLimitedError
 from gateway.nodes.models import Node
 from gateway.pagination import page_of, paginate
@@ -267,8 +267,8 @@ _STEP_COUNT = (
 def _record_step(db: Session, step: dict) -> str | None:
     """Write one step's row and count it (one short transaction, whatever the history's length); return the node.
 
-    Synchronous: the gate's :class:`~gateway.db.RecordWriter` runs it behind the answer, a
-    request's session through ``run_sync`` before it.
+    Synchronous: :func:`~gateway.db.write_records` runs it in the gate's writer behind the
+    answer, or in the request's session before it.
     """
     counted = db.execute(_STEP_COUNT, {"sid": step["session_id"]}).first()
     if counted is None:
@@ -343,8 +343,7 @@ async def _step_once(
         gate.record(session_id, functools.partial(gate.writer.run, functools.partial(_record_step, step=step)))
         return result
     await gate.settle(session_id)  # the earlier steps' records first, then this one's, then the end
-    node = await db_session.run_sync(_record_step, step)
-    await db_session.commit()
+    node = await write_records(db_session, functools.partial(_record_step, step=step))
     if ended:
         await _finish(db_session, session_id, SessionState.TERMINATED, reward=result.reward)
         await _release(runtime, session_id)

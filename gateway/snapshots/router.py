@@ -15,8 +15,8 @@ router = APIRouter(tags=["snapshots"])
 @router.post("/sessions/{session_id}/snapshot", status_code=201, response_model=SnapshotRead)
 async def snapshot_session(session_id: str, db_session: DbSession, runtime: Runtime, gate: Gate):
     """Snapshot an open session (filesystem, shell cwd and exports, history); not its background processes."""
-    return service.snapshot_read(await service.snapshot_session(db_session=db_session, runtime=runtime, session_id=session_id,
-                                                gate=gate))
+    record = await service.snapshot_session(db_session=db_session, runtime=runtime, session_id=session_id, gate=gate)
+    return service.snapshot_read(record)
 
 
 @router.post("/snapshots/{snapshot_id}/fork", status_code=201, response_model=ForkedSessions)
@@ -67,13 +67,13 @@ async def delete_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runt
 async def pin_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime, gate: Gate):
     """Pin a snapshot: it cannot be deleted, and outlives its session and forks, until unpinned."""
     await gate.settle()
-    return service.snapshot_read(await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id,
-                                          pinned=True))
+    record = await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id, pinned=True)
+    return service.snapshot_read(record)
 
 
 @router.post("/snapshots/{snapshot_id}/unpin", response_model=SnapshotRead)
 async def unpin_snapshot(snapshot_id: str, db_session: DbSession, runtime: Runtime, gate: Gate):
     """Unpin a snapshot; one that nothing else holds (open source session or fork) is deleted."""
     await gate.settle()
-    return service.snapshot_read(await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id,
-                                          pinned=False))
+    record = await service.set_pinned(db_session=db_session, runtime=runtime, snapshot_id=snapshot_id, pinned=False)
+    return service.snapshot_read(record)

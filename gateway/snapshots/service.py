@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from gateway.db import RecordWriter, new_id, utcnow
+from gateway.db import RecordWriter, new_id, utcnow, write_records
 from gateway.errors import ConflictError, NotFoundError, RateLimitedError
 from gateway.pagination import page_of, paginate
 from gateway.sandboxes.models import Sandbox
@@ -174,11 +174,7 @@ async def _insert_snapshot(db: AsyncSession | RecordWriter, runtime: WorkerClien
     """
     values = {c.key: getattr(record, c.key) for c in SnapshotRecord.__table__.columns}
     try:
-        if isinstance(db, RecordWriter):
-            await db.run(functools.partial(_execute, _SNAPSHOT_INSERT, values))
-        else:
-            await db.execute(_SNAPSHOT_INSERT, values)
-            await db.commit()
+        await write_records(db, functools.partial(_execute, _SNAPSHOT_INSERT, values))
     except BaseException:
         known_snapshots.drop(record.id)
         await asyncio.shield(runtime.delete_snapshot(backend_snapshot_id(record), node=record.node))
@@ -292,7 +288,7 @@ async def fork_snapshot(
     ]
     ids = [r.id for r in rows]
     # Known and not deleted here since (no await between this check and the hold).
-    behind = (not read and gate is not None and gate.write_behind and runtime.sole_gateway
+    behind = (not read and gate is not None and gate.writer is not None and runtime.sole_gateway
               and known_snapshots.get(snapshot_id) is not None)
     if behind:
         fork_holds.begin(snapshot_id, n)
@@ -453,11 +449,7 @@ async def _claim(
     """
     work = functools.partial(_claim_records, fork_row=fork_row, session_id=session_id, sandbox=sandbox,
                              task_id=task_id)
-    if isinstance(db, RecordWriter):
-        claimed = await db.run(work)
-    else:
-        claimed = await db.run_sync(work)
-        await db.commit()
+    claimed = await write_records(db, work)
     if not claimed:
         logger.info("fork %s was closed while starting; its sandbox %s goes", session_id, sandbox.id)
         await sessions_service._release(runtime, session_id)
