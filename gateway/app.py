@@ -29,6 +29,7 @@ from gateway.episodes.router import router as episodes_router
 from gateway.errors import install_error_handlers
 from gateway.metrics import router as metrics_router
 from gateway.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
+from gateway.nodes.drain import DrainFlag
 from gateway.nodes.heartbeat import Heartbeat
 from gateway.nodes.router import router as nodes_router
 from gateway.openapi import declare_error_responses
@@ -134,6 +135,7 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None, distrib
         app.state.engine = engine
         app.state.sessionmaker = sessionmaker
         app.state.runtime = None
+        app.state.drain = None  # the embedded mode's node's flag, below
         app.state.policy_states = policy_states = PolicyStates(sessionmaker)
         rt = runtime
         executor: Executor | None = None
@@ -176,14 +178,15 @@ def create_app(settings: Settings | None = None, *, runtime: Any = None, distrib
                 dispatcher = Dispatcher(sessionmaker=sessionmaker, host=host, drain_poll_s=settings.nodes.heartbeat_s)
                 await dispatcher.start()
                 app.state.executor = executor = dispatcher
-                heartbeat = Heartbeat(
+                app.state.drain = drain = DrainFlag(settings.node)  # set by each beat and by drains through here
+                app.state.heartbeat = heartbeat = Heartbeat(
                     sessionmaker, node=settings.node, backend=rt.backend_name, capacity=settings.stages.agent,
                     load=lambda: {**rt.load_report(), "episodes": dispatcher.running_episodes,
                                   "stages": stages.in_use()},
                     interval_s=settings.nodes.heartbeat_s, sandboxes=rt.list_sandboxes,
                     made_after=rt.sandboxes_made_after,
                     demand=pool.set_demand if (pool := getattr(rt, "pool", None)) is not None else None,
-                    commands=rt.run_command,
+                    commands=rt.run_command, drain=drain,
                 )
                 await heartbeat.start()
             if settings.grpc_port is not None:

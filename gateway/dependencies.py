@@ -9,6 +9,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.db import get_db_session
 from gateway.errors import UnavailableError
+from gateway.nodes.drain import DrainFlag
 from gateway.sessions.gate import StepGate
 from gateway.settings import Settings
 from workers.protocol import WorkerClient
@@ -57,6 +58,16 @@ def step_gate_of(app: Any) -> StepGate:
     return gate
 
 
+def drain_flag_of(app: Any) -> DrainFlag | None:
+    """Return ``app``'s own node's drain flag as this process knows it; None in the distributed mode."""
+    return getattr(app.state, "drain", None)
+
+
+async def get_drain_flag(request: Request) -> DrainFlag | None:
+    """Return the request's app's :func:`drain_flag_of`."""
+    return drain_flag_of(request.app)
+
+
 async def get_step_gate(request: Request) -> StepGate:
     """Return the app's record of which sessions are stepping or closing."""
     return step_gate_of(request.app)
@@ -74,3 +85,5 @@ SessionNode = Annotated[str, Depends(get_session_node)]
 """The node a new session opens on."""
 ForkNode = Annotated[str, Depends(get_fork_node)]
 """The node a fork starts on ("": the snapshot's)."""
+Drain = Annotated[DrainFlag | None, Depends(get_drain_flag)]
+"""This process's node's drain flag (:class:`gateway.nodes.heartbeat.DrainFlag`); None in the distributed mode."""

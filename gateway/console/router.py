@@ -37,7 +37,7 @@ from gateway.console.auth import (
     sign_out,
 )
 from gateway.db import utcnow
-from gateway.dependencies import DbSession, get_step_gate
+from gateway.dependencies import DbSession, Drain, get_step_gate
 from gateway.environments import service as environments_service
 from gateway.episodes import service as episodes_service
 from gateway.errors import GatewayError, NotFoundError
@@ -185,11 +185,11 @@ async def nodes_fragment(request: Request, db_session: DbSession, admin: Operato
 
 
 @router.post("/nodes/{name}/{verb}")
-async def drain_node(name: str, verb: str, db_session: DbSession, admin: Action):
+async def drain_node(name: str, verb: str, db_session: DbSession, admin: Action, drain: Drain):
     if verb not in ("drain", "undrain"):
         return back("/admin/nodes", err=f"Unknown node action {verb!r}.")
     try:
-        await nodes_service.set_draining(db_session=db_session, name=name, draining=verb == "drain")
+        await nodes_service.set_draining(db_session=db_session, name=name, draining=verb == "drain", flag=drain)
     except GatewayError as exc:
         return back("/admin/nodes", err=exc.message)
     await audit(db_session, admin, f"node.{verb}", name)

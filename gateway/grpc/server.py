@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from pydantic import ValidationError
 
 from gateway.auth import service as auth_service
-from gateway.dependencies import fork_node_of, step_gate_of
+from gateway.dependencies import drain_flag_of, fork_node_of, step_gate_of
 from gateway.errors import GatewayError, as_gateway_error
 from gateway.grpc.codegen import modules
 from gateway.sessions import service as sessions_service
@@ -112,7 +112,7 @@ class SessionsServicer(pb2_grpc.SessionsServicer):  # type: ignore[misc,name-def
         forks = await snapshots_service.fork_snapshot(
             db_session=db, runtime=self._app.state.runtime, snapshot_id=fork.snapshot_id, n=body.n,
             node=fork_node_of(self._app), max_open=self._app.state.settings.sessions.max_open,
-            gate=step_gate_of(self._app),
+            gate=step_gate_of(self._app), drain=drain_flag_of(self._app),
         )
         forked = snapshots_service.forked_sessions(fork.snapshot_id, forks)
         return pb2.StepReply(seq=seq, result_json=forked.model_dump_json())

@@ -11,13 +11,14 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from gateway.db import utcnow
 from gateway.nodes import recovery, service
+from gateway.nodes.drain import DrainFlag
 from gateway.sandboxes.service import record_sandboxes
 
 logger = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    """Write this node's heartbeat every ``interval_s`` until closed; keep its drain flag for the executor.
+    """Write this node's heartbeat every ``interval_s`` until closed; keep its :class:`DrainFlag`.
 
     With ``sandboxes`` (the runtime's listing), every beat also brings the node's sandbox rows
     in line with what is live (:func:`gateway.sandboxes.service.record_sandboxes`).
@@ -38,13 +39,16 @@ class Heartbeat:
         made_after: Callable[[int], tuple[Sequence[Any], int]] | None = None,
         demand: Callable[[Mapping[str, int]], None] | None = None,
         commands: Callable[[str, Mapping[str, Any]], Awaitable[str]] | None = None,
+        drain: DrainFlag | None = None,
     ) -> None:
         """``made_after``: the sandboxes the node made after a mark, gone or not, and the next mark
         (the backend's ledger); those made and destroyed between two listings get a row too, gone.
         ``demand``: called each beat with the episodes queued for this node by task name
         (:func:`gateway.nodes.service.queued_demand`); the node's warm pool sizes from it.
         ``commands``: runs an operator's command queued for this node (the console's kill,
-        resize and evict); each beat runs those pending and records their outcome."""
+        resize and evict); each beat runs those pending and records their outcome.
+        ``drain``: set from the node's row at each beat."""
+        self.drain = drain
         self._commands = commands
         self.address = address
         self._channel_token = channel_token
@@ -67,10 +71,14 @@ class Heartbeat:
         self._task = asyncio.create_task(self._run(), name=f"heartbeat {self.node}")
 
     async def beat(self, *, started: bool = False) -> None:
+        """Write one heartbeat now and read back the node's drain flag into :attr:`drain`."""
         async with self._sessionmaker() as db:
-            await service.heartbeat(db_session=db, name=self.node, backend=self._backend, capacity=self._capacity,
-                                    load=self._load(), heartbeat_s=self.interval_s, started=started,
-                                    address=self.address, channel_token=self._channel_token)
+            draining = await service.heartbeat(
+                db_session=db, name=self.node, backend=self._backend, capacity=self._capacity, load=self._load(),
+                heartbeat_s=self.interval_s, started=started, address=self.address,
+                channel_token=self._channel_token)
+        if self.drain is not None:
+            self.drain.saw(self.node, draining)
 
     async def _run(self) -> None:
         while True:

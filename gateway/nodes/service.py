@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from gateway.db import new_id, utcnow
 from gateway.errors import NotFoundError
+from gateway.nodes.drain import DrainFlag
 from gateway.nodes.models import Node, NodeCommand
 from gateway.nodes.schemas import NodeRead
 
@@ -35,24 +36,29 @@ MIN_DOWN_S = 3.0
 async def heartbeat(
     *, db_session: AsyncSession, name: str, backend: str, capacity: int, load: dict[str, Any], heartbeat_s: float,
     started: bool = False, address: str | None = None, channel_token: str | None = None,
-) -> None:
-    """Record that ``name`` is alive now (``started``: it has just started; its start time is reset)."""
+) -> bool:
+    """Record that ``name`` is alive now (``started``: it has just started; its start time is reset).
+
+    Return whether it drains (as its row says, in the same statement).
+    """
     now = utcnow()
     values: dict[str, Any] = {"backend": backend, "capacity": capacity, "load": load, "heartbeat_s": heartbeat_s,
                               "heartbeat_at": now, "address": address, "channel_token": channel_token}
     if started:
         values["started_at"] = now
-    result = await db_session.execute(update(Node).where(Node.name == name).values(**values))
-    if result.rowcount == 0:  # type: ignore[attr-defined]
+    beat = update(Node).where(Node.name == name).values(**values).returning(Node.draining)
+    draining = (await db_session.execute(beat)).scalar()
+    if draining is None:  # no row yet
         db_session.add(Node(name=name, draining=False, **{"started_at": now, **values}))
         try:
             await db_session.commit()
             logger.info("node %s joined (%s backend, capacity %d)", name, backend, capacity)
-            return
+            return False
         except IntegrityError:  # written concurrently: update it instead
             await db_session.rollback()
-            await db_session.execute(update(Node).where(Node.name == name).values(**values))
+            draining = (await db_session.execute(beat)).scalar()
     await db_session.commit()
+    return bool(draining)
 
 
 def state_of(node: Node, now: datetime) -> str:
@@ -114,11 +120,18 @@ async def get_node(*, db_session: AsyncSession, name: str) -> Node:
     return node
 
 
-async def set_draining(*, db_session: AsyncSession, name: str, draining: bool) -> NodeRead:
-    """Have ``name`` take no new work (``draining``) or take it again; idempotent."""
+async def set_draining(
+    *, db_session: AsyncSession, name: str, draining: bool, flag: DrainFlag | None = None,
+) -> NodeRead:
+    """Have ``name`` take no new work (``draining``) or take it again; idempotent.
+
+    ``flag``: this process's node's drain flag, set at once when ``name`` is that node.
+    """
     node = await get_node(db_session=db_session, name=name)
     node.draining = draining
     await db_session.commit()
+    if flag is not None:
+        flag.saw(name, draining)
     logger.info("node %s %s", name, "drains: no new work" if draining else "takes new work again")
     return read(node, utcnow())
 

@@ -161,14 +161,6 @@ async def admission(*, db_session: AsyncSession, node: str) -> tuple[bool, int]:
     return bool(row[0]), int(row[1] or 0)
 
 
-_DRAINING = select(Node.draining).where(Node.name == bindparam("node"))
-
-
-def node_draining(db: Session, node: str) -> bool:
-    """Return whether ``node`` is draining (sync: a fork reads it in the gate's writer thread, beside its restore)."""
-    return bool(db.execute(_DRAINING, {"node": node}).scalar())
-
-
 def draining_error(node: str) -> ConflictError:
     """Return the error that refuses new work on a draining ``node``."""
     return ConflictError(f"Node {node!r} is draining: it takes no new sessions until an operator undrains it.",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Query, Response
 
-from gateway.dependencies import CurrentSettings, DbSession, ForkNode, Gate, Runtime
+from gateway.dependencies import CurrentSettings, DbSession, Drain, ForkNode, Gate, Runtime
 from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.snapshots import service
 from gateway.snapshots.schemas import ForkedSessions, SnapshotFork, SnapshotPage, SnapshotRead
@@ -22,12 +22,12 @@ async def snapshot_session(session_id: str, db_session: DbSession, runtime: Runt
 @router.post("/snapshots/{snapshot_id}/fork", status_code=201, response_model=ForkedSessions)
 async def fork_snapshot(
     snapshot_id: str, body: SnapshotFork, db_session: DbSession, runtime: Runtime, settings: CurrentSettings,
-    gate: Gate, node: ForkNode,
+    gate: Gate, node: ForkNode, drain: Drain,
 ):
     """Start ``n`` sessions continuing from the snapshot; each inherits the steps up to it (``GET .../steps``)."""
     forks = await service.fork_snapshot(
         db_session=db_session, runtime=runtime, snapshot_id=snapshot_id, n=body.n, node=node,
-        max_open=settings.sessions.max_open, gate=gate,
+        max_open=settings.sessions.max_open, gate=gate, drain=drain,
     )
     return service.forked_sessions(snapshot_id, forks)
 

@@ -24,6 +24,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from gateway.db import RecordWriter, new_id, utcnow, write_records
 from gateway.errors import ConflictError, NotFoundError, RateLimitedError
+from gateway.nodes.drain import DrainFlag
 from gateway.pagination import page_of, paginate
 from gateway.sandboxes.models import Sandbox
 from gateway.sessions import service as sessions_service
@@ -244,7 +245,7 @@ async def _live(db_session: AsyncSession, snapshot_id: str) -> bool:
 
 async def fork_snapshot(
     *, db_session: AsyncSession, runtime: WorkerClient, snapshot_id: str, n: int, node: str, max_open: int,
-    gate: StepGate | None = None,
+    gate: StepGate | None = None, drain: DrainFlag | None = None,
 ) -> list[tuple[EnvSession, OpenedView]]:
     """Start ``n`` sessions continuing from a snapshot; each inherits the history up to it.
 
@@ -256,10 +257,11 @@ async def fork_snapshot(
     runtime's own count of open sessions.
     With a write-behind ``gate``, each fork's sandbox is recorded behind the answer, as
     a step is (whatever reads the fork settles it first). When, besides, the runtime is
-    the sole gateway of its sessions and this process knows the snapshot (it drops the
-    ones it deletes), only the node's drain flag is read beside the restore: the runtime
-    counts the open sessions, and the forks' rows are written behind the answer too, the
-    snapshot held meanwhile by :data:`~gateway.snapshots.collection.fork_holds`.
+    the sole gateway of its sessions, this process knows the snapshot (it drops the ones it
+    deletes) and keeps its node's ``drain`` flag, nothing is read: the flag is checked before
+    the restore starts, the runtime counts the open sessions, and the forks' rows are written
+    behind the answer too, the snapshot held meanwhile by
+    :data:`~gateway.snapshots.collection.fork_holds`.
 
     Raises:
         NotFoundError: no such snapshot (or it was deleted).
@@ -289,8 +291,11 @@ async def fork_snapshot(
     ids = [r.id for r in rows]
     # Known and not deleted here since (no await between this check and the hold).
     behind = (not read and gate is not None and gate.writer is not None and runtime.sole_gateway
-              and known_snapshots.get(snapshot_id) is not None)
+              and drain is not None and drain.node == node and known_snapshots.get(snapshot_id) is not None)
     if behind:
+        assert drain is not None
+        if drain.draining:  # nothing has started yet
+            raise sessions_service.draining_error(node)
         fork_holds.begin(snapshot_id, n)
     launched = asyncio.get_running_loop().create_future()
     forking = asyncio.ensure_future(runtime.fork_session(
@@ -298,16 +303,14 @@ async def fork_snapshot(
         labels={sessions_service.LABEL_TASK_ID: known.task_id},
         launched=lambda: launched.done() or launched.set_result(None),
     ))
+    if behind:
+        opened = await _fork_held(db_session, runtime, snapshot_id, rows, forking, node)
+        observation = known.state.get("observation") or await _instruction(db_session, known.task_id)
+        return await _answer_forks(db_session, runtime, snapshot_id, known, rows, opened, observation, gate,
+                                   rows_behind=True)
     # The reads below wait until the restore has left this process (or ended): run beside its
     # first steps (the overlay, the runtime's spawn), they slowed them more than they took.
     await asyncio.wait([launched, forking], return_when=asyncio.FIRST_COMPLETED)
-    if behind:
-        assert gate is not None
-        assert gate.writer is not None
-        opened = await _fork_held(db_session, gate.writer, runtime, snapshot_id, rows, forking, node)
-        observation = known.state.get("observation") or await _instruction(db_session, known.task_id)
-        return await _answer_forks(db_session, runtime, snapshot_id, known, rows, opened, observation, gate,
-                             rows_behind=True)
     failure: BaseException | None = None
     try:
         if not read and gate is not None:
@@ -346,28 +349,18 @@ async def fork_snapshot(
         raise failure
     observation = known.state.get("observation") or await _instruction(db_session, known.task_id)
     return await _answer_forks(db_session, runtime, snapshot_id, known, rows, opened, observation, gate,
-                         rows_behind=False)
+                                   rows_behind=False)
 
 
 async def _fork_held(
-    db_session: AsyncSession, writer: RecordWriter, runtime: WorkerClient, snapshot_id: str, rows: list[EnvSession],
+    db_session: AsyncSession, runtime: WorkerClient, snapshot_id: str, rows: list[EnvSession],
     forking: asyncio.Future, node: str,
 ) -> list[OpenedView]:
-    """The forks of a snapshot :data:`fork_holds` holds: read the drain flag beside the restore, then wait for it.
+    """Wait for the restore of the forks of a snapshot :data:`fork_holds` holds.
 
-    The flag is read in the gate's writer thread: through the asyncio layer the read's
-    hops and driver work ran on the event loop, between the restore's own steps there.
     Whatever fails lets go of the hold; a failed restore leaves its forks' rows, failed.
     """
     ids = [r.id for r in rows]
-    try:
-        draining = await writer.run(functools.partial(sessions_service.node_draining, node=node))
-        if draining:
-            raise sessions_service.draining_error(node)
-    except BaseException:
-        fork_holds.end(snapshot_id, len(rows))
-        await asyncio.shield(_release_forks(runtime, forking, ids))
-        raise
     try:
         opened = await forking
     except BaseException as exc:

@@ -67,7 +67,7 @@ async def test_a_draining_node_opens_no_session_until_undrained(gateway):
 
 
 async def test_a_draining_node_forks_nothing_and_keeps_no_started_branch(gateway):
-    """The drain flag is read beside the restore: a refused fork frees the branches it started."""
+    """A drain through this gateway reaches its forks at once: refused before any branch starts."""
     task = await gateway.import_task("hello")
     session = await gateway.open_session(task["id"])
     snap = (await gateway.client.post(f"/v1/sessions/{session['id']}/snapshot")).json()
@@ -81,6 +81,50 @@ async def test_a_draining_node_forks_nothing_and_keeps_no_started_branch(gateway
     forked = await gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 2})
     assert forked.status_code == 201, forked.text
     assert len(set(gateway.runtime.sessions) - sessions) == 2
+
+
+async def test_a_drain_written_by_another_process_reaches_the_forks_at_the_next_heartbeat(gateway):
+    """The forks of the snapshots this gateway holds check its kept drain flag; each heartbeat reads it back."""
+    from sqlalchemy import update
+
+    task = await gateway.import_task("hello")
+    session = await gateway.open_session(task["id"])
+    snap = (await gateway.client.post(f"/v1/sessions/{session['id']}/snapshot")).json()
+    app = gateway.app
+
+    async def drained_elsewhere(draining: bool) -> None:  # as `forkyard nodes drain` does, from its own process
+        async with app.state.sessionmaker() as db:
+            await db.execute(update(Node).where(Node.name == NODE).values(draining=draining))
+            await db.commit()
+
+    await drained_elsewhere(True)
+    assert app.state.drain.draining is False  # not read per fork...
+    await app.state.heartbeat.beat()  # ...but at each beat
+    assert app.state.drain.draining is True
+    sessions = set(gateway.runtime.sessions)
+    assert_error(await gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 1}), 409, "node_draining")
+    assert set(gateway.runtime.sessions) == sessions
+    await drained_elsewhere(False)
+    await app.state.heartbeat.beat()
+    forked = await gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 1})
+    assert forked.status_code == 201, forked.text
+    # A drain of another node through this gateway leaves this one's flag alone.
+    async with app.state.sessionmaker() as db:
+        await service.heartbeat(db_session=db, name="host-b", backend="local", capacity=1, load={}, heartbeat_s=60)
+    assert (await gateway.client.post("/v1/nodes/host-b/drain")).json()["draining"] is True
+    assert app.state.drain.draining is False
+
+
+async def test_a_heartbeat_reads_back_the_drain_flag(tmp_path):
+    settings = _settings(data_dir=tmp_path / "data")
+
+    async def beat(db):
+        return await service.heartbeat(db_session=db, name="host-a", backend="local", capacity=1, load={},
+                                       heartbeat_s=60)
+
+    assert await _with_db(settings, beat) is False  # joins, not draining
+    await _with_db(settings, lambda db: service.set_draining(db_session=db, name="host-a", draining=True))
+    assert await _with_db(settings, beat) is True
 
 
 def test_cli_lists_and_drains_nodes(tmp_path, capsys):

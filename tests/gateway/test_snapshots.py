@@ -402,8 +402,9 @@ async def test_a_fork_whose_restore_never_says_launched_reads_its_row_when_the_r
     assert (await step(gateway, child["id"], "echo on"))["terminated"] is False
 
 
-async def test_a_sole_gateway_forks_a_known_snapshot_reading_only_the_drain_flag(gateway, monkeypatch):
-    """Live and under the limit are known here; the forks' rows follow the answer and read back settled."""
+async def test_a_sole_gateway_forks_a_known_snapshot_reading_nothing(gateway, monkeypatch):
+    """Live, under the limit and not draining are known here; the forks' rows follow the answer and read back settled."""
+    from gateway.nodes import service as nodes_service
     from gateway.sessions import service as sessions_service
     from gateway.snapshots import service as snapshots_service
 
@@ -411,25 +412,22 @@ async def test_a_sole_gateway_forks_a_known_snapshot_reading_only_the_drain_flag
     source = await gateway.open_session(task["id"])
     await step(gateway, source["id"], "echo one")
     snap = await snapshot(gateway, source["id"])
-    reads: list[str] = []
-    real_draining = sessions_service.node_draining
 
     async def live(*args, **kwargs):
         raise AssertionError("the snapshot's row was read")
 
     async def admission(**kwargs):
-        raise AssertionError("the open sessions were counted")
+        raise AssertionError("the open sessions or the drain flag were read")
 
-    def node_draining(db, node):
-        reads.append("drain")
-        return real_draining(db, node)
+    async def is_draining(**kwargs):
+        raise AssertionError("the drain flag was read")
 
     monkeypatch.setattr(snapshots_service, "_live", live)
     monkeypatch.setattr(snapshots_service, "get_snapshot", live)
     monkeypatch.setattr(sessions_service, "admission", admission)
-    monkeypatch.setattr(sessions_service, "node_draining", node_draining)
+    monkeypatch.setattr(nodes_service, "is_draining", is_draining)
     children = await fork(gateway, snap["id"], 2)
-    assert reads == ["drain"] and all(c["sandbox_id"] in gateway.runtime.sandboxes for c in children)
+    assert all(c["sandbox_id"] in gateway.runtime.sandboxes for c in children)
     for child in children:  # each read at once: the reader settles the row written behind the answer
         read = (await gateway.client.get(f"/v1/sessions/{child['id']}")).json()
         assert (read["state"], read["sandbox_id"], read["snapshot_id"]) == ("open", child["sandbox_id"], snap["id"])
