@@ -361,6 +361,8 @@ class DockerBackend:
                 self.base_url, _storage_driver(client),
             )
         self._sandboxes: dict[str, _Sandbox] = {}
+        self._retired: set[str] = set()
+        """The snapshots this backend deleted while restored containers used their images (see :meth:`destroy`)."""
         self._attach_lock = asyncio.Lock()
         self._closed = False
         self.max_snapshot_layers = 48
@@ -919,7 +921,9 @@ class DockerBackend:
     async def destroy(self, sandbox_id: str) -> None:
         """Kill and remove the container; a second call (or an unknown id) is a no-op.
 
-        The last container restored from a deleted snapshot takes the snapshot's image with it.
+        The last container restored from a snapshot deleted here takes the snapshot's image with
+        it (one this backend's process did not retire, a crash's, goes at the next
+        :meth:`delete_snapshot`). A container restored from a live snapshot touches no image.
         """
         try:
             attrs = await self._inspect(sandbox_id)
@@ -938,8 +942,9 @@ class DockerBackend:
             await self._remove(attrs["Id"])
         logger.info("destroyed docker sandbox %s", attrs["Id"][:12])
         repository, _, snapshot_id = str((attrs.get("Config") or {}).get("Image") or "").rpartition(":")
-        if repository == SNAPSHOT_REPOSITORY and snapshot_id:  # restored: its snapshot's image, if deleted, may go now
-            await self._drop_image(f"{RETIRED_REPOSITORY}:{snapshot_id}")
+        if repository == SNAPSHOT_REPOSITORY and snapshot_id in self._retired:  # its image may go now
+            if await self._drop_image(f"{RETIRED_REPOSITORY}:{snapshot_id}"):
+                self._retired.discard(snapshot_id)
 
     async def _remove(self, cid: str) -> None:
         for attempt in range(3):
@@ -1239,9 +1244,11 @@ class DockerBackend:
             except docker.errors.NotFound:
                 pass  # its last user went meanwhile, and the image with it
             else:
+                self._retired.add(snapshot_id)
                 await self._untag(ref)  # the retired tag still names it
         for ref in await self._node_tags(RETIRED_REPOSITORY, "list retired snapshot images"):
-            await self._drop_image(ref)  # not forced: refused while a container uses it
+            if await self._drop_image(ref):  # not forced: refused while a container uses it
+                self._retired.discard(ref.rpartition(":")[2])
         # A snapshot() cancelled mid-call leaves its build tag: the old ones go, with the images only they named.
         for ref in await self._node_tags(BUILD_REPOSITORY, "list snapshot images being made",
                                          made_before=time.time() - _ABANDONED_BUILD_S):

@@ -337,6 +337,31 @@ async def test_a_docker_snapshot_being_made_survives_concurrent_deletes(backend,
 
 
 @pytest.mark.parametrize("backend", ["docker"], indirect=True)
+async def test_a_docker_branch_of_a_live_snapshot_goes_without_an_image_call(backend, snaps, monkeypatch):
+    """Only a branch of a snapshot deleted here may take an image with it; the others ask the engine nothing."""
+    info = await backend.create(SPEC)
+    snap = await backend.snapshot(info.id)
+    snaps.append(snap)
+    [branch] = await backend.restore(snap)
+    removed: list[str] = []
+    remove_image = backend._api.remove_image
+
+    def spying(image, *args, **kwargs):
+        removed.append(image)
+        return remove_image(image, *args, **kwargs)
+
+    monkeypatch.setattr(backend._api, "remove_image", spying)
+    await backend.destroy(branch.id)
+    assert removed == []
+    [branch] = await backend.restore(snap)
+    await backend.delete_snapshot(snap.id)  # in use: retired
+    removed.clear()
+    await backend.destroy(branch.id)
+    assert removed == [f"forkyard/snapshot-retired:{snap.id}"]
+    assert not _storage_present(backend, snap)
+
+
+@pytest.mark.parametrize("backend", ["docker"], indirect=True)
 async def test_delete_snapshot_sweeps_build_tags_of_abandoned_docker_snapshots(backend, monkeypatch):
     """A snapshot() cancelled while the engine commits leaves a build tag: kept while fresh, swept once stale."""
     import docker
