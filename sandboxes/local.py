@@ -828,13 +828,16 @@ class LocalBackend:
                 shutil.rmtree(layer, True)
         return live - stored
 
-    async def _seal_upper(self, sandbox_id: str, *, digest: bool = False) -> tuple[Path, str]:
+    async def _seal_upper(
+        self, sandbox_id: str, *, digest: bool = False, copied: Callable[[], None] | None = None,
+    ) -> tuple[Path, str]:
         """Copy the sandbox's upper dir into a new immutable layer; return its path and, if ``digest``, its digest.
 
         ``cp -a`` as root keeps overlay whiteouts (0/0 char devices) and the
         ``trusted.overlay.opaque`` xattrs, so the layer means the same as a lower layer.
         The :func:`tree_digest` ("" unless ``digest``) is taken in the copy's thread: one hop
-        less than a thread of its own.
+        less than a thread of its own. ``copied`` is called in that thread as soon as the copy
+        ends (before the digest: a snapshot thaws the sandbox there).
         """
         sdir = self._sandbox_dir(sandbox_id)
         upper = self._disk_dir(sandbox_id) / "upper"
@@ -848,6 +851,8 @@ class LocalBackend:
         def copy() -> tuple[subprocess.CompletedProcess, str]:
             done = subprocess.run(["cp", "-a", "--", f"{upper}/.", str(tmp)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
+            if copied is not None:
+                copied()
             return done, tree_digest(tmp) if digest and done.returncode == 0 else ""
 
         copying = _in_fresh_thread(copy)
@@ -914,7 +919,9 @@ class LocalBackend:
 
     @staticmethod
     def _thaw(pids: list[int]) -> None:
-        for pid in pids:
+        """SIGCONT what :meth:`_freeze` stopped, once: ``pids`` is emptied."""
+        while pids:
+            pid = pids.pop()
             try:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
@@ -924,8 +931,9 @@ class LocalBackend:
         """Capture the sandbox's filesystem, cwd and exports as an immutable snapshot.
 
         The sandbox's upper dir is copied (``cp -a``, whiteouts and opaque dirs kept) into
-        a new read-only layer, and the copy listed for its digest in the same thread, while
-        its other processes are stopped (SIGSTOP) and no command runs; the live sandbox goes
+        a new read-only layer while its other processes are stopped (SIGSTOP) and no command
+        runs, and the copy listed for its digest in the same thread, the sandbox's processes
+        already running again (the copy is the snapshot's own); the live sandbox goes
         on with its own upper dir, which now sits on the same content as the snapshot. An
         overlay cannot swap the upper dir of a mounted sandbox, and copying a small change
         costs milliseconds. Restoring then mounts fresh overlays over the snapshot's layers,
@@ -954,7 +962,8 @@ class LocalBackend:
                 cwd = state.cwd or sb.workdir
                 stopped = self._freeze(sb)
                 try:
-                    layer, digest = await self._seal_upper(sandbox_id, digest=True)
+                    layer, digest = await self._seal_upper(sandbox_id, digest=True,
+                                                           copied=functools.partial(self._thaw, stopped))
                 finally:
                     self._thaw(stopped)
             layers = [*sb.layers, str(layer)]

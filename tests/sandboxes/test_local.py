@@ -416,6 +416,48 @@ async def test_orphan_after_a_crash_is_listed_and_destroyed(backend_root, base_r
         await second.aclose()
 
 
+async def test_a_snapshot_stops_the_sandbox_only_for_its_copy(lb, monkeypatch):
+    """Its processes are stopped while the upper dir is copied and run again before the copy is listed."""
+    info = await lb.create(SPEC)
+    await lb.exec(info.id, "nohup sleep 300 >/dev/null 2>&1 &")
+    cgroup = lb._live(info.id).cgroup
+    states: dict[str, list[str]] = {}
+
+    def state_of(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return "gone"
+
+    def sleepers() -> list[int]:
+        return [pid for pid in cgroup.pids() if b"sleep" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+    real_run, real_digest = local.subprocess.run, local.tree_digest
+
+    def run(args, **kwargs):
+        if args[:2] == ["cp", "-a"]:
+            states["copy"] = [state_of(pid) for pid in sleepers()]
+        return real_run(args, **kwargs)
+
+    def digest(path):
+        states["digest"] = [state_of(pid) for pid in sleepers()]
+        return real_digest(path)
+
+    for _ in range(100):  # until the background fork has exec'd sleep (bounded: 2 s)
+        if sleepers():
+            break
+        await asyncio.sleep(0.02)
+    assert sleepers(), "the background process runs"
+    monkeypatch.setattr(local.subprocess, "run", run)
+    monkeypatch.setattr(local, "tree_digest", digest)
+    snap = await lb.snapshot(info.id)
+    assert states["copy"] == ["T"]  # stopped: the upper dir holds still
+    assert states["digest"] and "T" not in states["digest"], states  # running again while the copy is listed
+    assert snap.digest
+    assert [state_of(pid) for pid in sleepers()] != ["T"]
+    await lb.delete_snapshot(snap.id)
+
+
 async def test_a_branch_an_earlier_process_left_takes_its_deleted_snapshot_with_it(
     backend_root, base_rootfs, node_name
 ):
