@@ -12,7 +12,7 @@ import logging
 from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import exists, or_, select
+from sqlalchemy import bindparam, exists, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
@@ -121,11 +121,25 @@ def backend_snapshot_id(record: SnapshotRecord) -> str:
     return record.state["session"]["sandbox"]["id"]
 
 
+# The backend snapshot's id as the database reads it out of the row's state (as backend_snapshot_id does).
+_BACKEND_ID = SnapshotRecord.state[("session", "sandbox", "id")].as_string()
+_NOT_FREED = (SnapshotRecord.node == bindparam("node"), SnapshotRecord.freed_at.is_(None))
+_LIVE_BACKEND_IDS = select(_BACKEND_ID).where(*_NOT_FREED)
+# The snapshots nothing holds: no open fork, no pin and, unless deleted, no open source session.
+_FORK, _SOURCE = aliased(EnvSession), aliased(EnvSession)
+_UNHELD = select(SnapshotRecord).where(
+    *_NOT_FREED, SnapshotRecord.pinned.is_(False),
+    ~exists().where(_FORK.snapshot_id == SnapshotRecord.id, _FORK.state == SessionState.OPEN),
+    or_(SnapshotRecord.deleted_at.is_not(None),
+        ~exists().where(_SOURCE.id == SnapshotRecord.session_id, _SOURCE.state == SessionState.OPEN)),
+)
+# The rows not yet freed that reference any of some backend snapshots (content-addressed: rows may share one).
+_SHARING = select(SnapshotRecord.id, _BACKEND_ID).where(*_NOT_FREED, _BACKEND_ID.in_(bindparam("refs", expanding=True)))
+
+
 async def live_backend_snapshot_ids(*, db_session: AsyncSession, node: str) -> set[str]:
     """Return the backend snapshots the not yet freed snapshot rows of ``node`` reference."""
-    rows = await db_session.scalars(
-        select(SnapshotRecord).where(SnapshotRecord.node == node, SnapshotRecord.freed_at.is_(None)))
-    return {backend_snapshot_id(r) for r in rows}
+    return set((await db_session.scalars(_LIVE_BACKEND_IDS, {"node": node})).all())
 
 
 async def collect_garbage(*, db_session: AsyncSession, runtime: WorkerClient, node: str) -> list[str]:
@@ -136,15 +150,8 @@ async def collect_garbage(*, db_session: AsyncSession, runtime: WorkerClient, no
     """
     since = fork_holds.mark()
     await db_session.commit()  # the read below sees every fork row written before the mark
-    fork = aliased(EnvSession)
-    source = aliased(EnvSession)
-    forked_open = exists().where(fork.snapshot_id == SnapshotRecord.id, fork.state == SessionState.OPEN)
-    source_open = exists().where(source.id == SnapshotRecord.session_id, source.state == SessionState.OPEN)
-    stmt = select(SnapshotRecord).where(
-        SnapshotRecord.node == node, SnapshotRecord.freed_at.is_(None), SnapshotRecord.pinned.is_(False),
-        ~forked_open, or_(SnapshotRecord.deleted_at.is_not(None), ~source_open),
-    )
-    doomed = [r for r in (await db_session.scalars(stmt)).all() if not fork_holds.holds(r.id, since)]
+    doomed = [r for r in (await db_session.scalars(_UNHELD, {"node": node})).all()
+              if not fork_holds.holds(r.id, since)]
     if not doomed:
         return []
     for record in doomed:  # no fork of this process starts from it from now on
@@ -153,11 +160,12 @@ async def collect_garbage(*, db_session: AsyncSession, runtime: WorkerClient, no
     for record in doomed:
         if record.deleted_at is None:  # its session ended with nothing else holding it
             record.deleted_at = now
-    live = select(SnapshotRecord).where(SnapshotRecord.node == node, SnapshotRecord.freed_at.is_(None))
-    live_rows = list((await db_session.scalars(live)).all())
+    # Only the rows sharing a doomed row's backend snapshot, and only two columns: not every live state.
+    refs = sorted({backend_snapshot_id(r) for r in doomed})
+    sharing = (await db_session.execute(_SHARING, {"node": node, "refs": refs})).all()
     await db_session.commit()
     doomed_ids = {r.id for r in doomed}
-    still_used = {backend_snapshot_id(r) for r in live_rows if r.id not in doomed_ids}
+    still_used = {ref for row_id, ref in sharing if row_id not in doomed_ids}
     freed = []
     for record in doomed:
         ref = backend_snapshot_id(record)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from tests.gateway.conftest import Gateway, assert_error
 
 
@@ -176,6 +178,41 @@ async def test_pin_blocks_delete_and_delete_frees_an_unheld_snapshot(gateway):
     assert_error(await gateway.client.post(f"/v1/snapshots/{snap['id']}/fork", json={"n": 1}), 404, "not_found")
     assert (await gateway.client.delete(f"/v1/snapshots/{snap['id']}")).status_code == 204  # idempotent
 
+
+
+async def test_rows_sharing_a_backend_snapshot_free_it_only_when_the_last_goes(gateway, monkeypatch):
+    """A backend may hand two snapshots the same content-addressed id: freeing waits for the last row of it."""
+    from gateway.snapshots.collection import live_backend_snapshot_ids
+
+    runtime = gateway.runtime
+    taken = runtime.snapshot_session
+    shared: list[str] = []  # the backend id the next snapshots get, once the first is taken
+
+    async def same_id(session_id, **kwargs):
+        snap = await taken(session_id, **kwargs)
+        if not shared:
+            shared.append(snap.id)
+        elif snap.id != shared[0]:
+            runtime.snapshots.pop(snap.id)
+            snap = dataclasses.replace(snap, sandbox=dataclasses.replace(snap.sandbox, id=shared[0]))
+        return snap
+
+    task = await gateway.import_task("shared")
+    source = await gateway.open_session(task["id"])
+    await snapshot(gateway, source["id"])  # a row of a backend snapshot of its own
+    monkeypatch.setattr(runtime, "snapshot_session", same_id)
+    first, second = await snapshot(gateway, source["id"]), await snapshot(gateway, source["id"])
+    assert len(runtime.snapshots) == 2 and shared[0] in runtime.snapshots
+    async with gateway.app.state.sessionmaker() as db:
+        assert await live_backend_snapshot_ids(db_session=db, node=runtime.node) == set(runtime.snapshots)
+    assert (await gateway.client.delete(f"/v1/snapshots/{first['id']}")).status_code == 204
+    assert runtime.deleted_snapshots == [] and shared[0] in runtime.snapshots  # the second row holds it
+    (child,) = await fork(gateway, second["id"], 1)
+    assert (await gateway.client.delete(f"/v1/sessions/{child['id']}")).status_code == 204
+    assert (await gateway.client.delete(f"/v1/snapshots/{second['id']}")).status_code == 204
+    assert runtime.deleted_snapshots == shared and len(runtime.snapshots) == 1
+    async with gateway.app.state.sessionmaker() as db:
+        assert await live_backend_snapshot_ids(db_session=db, node=runtime.node) == set(runtime.snapshots)
 
 async def test_open_forks_hold_a_deleted_snapshot_until_they_end(gateway):
     task = await gateway.import_task("gc")
