@@ -179,7 +179,6 @@ async def test_pin_blocks_delete_and_delete_frees_an_unheld_snapshot(gateway):
     assert (await gateway.client.delete(f"/v1/snapshots/{snap['id']}")).status_code == 204  # idempotent
 
 
-
 async def test_rows_sharing_a_backend_snapshot_free_it_only_when_the_last_goes(gateway, monkeypatch):
     """A backend may hand two snapshots the same content-addressed id: freeing waits for the last row of it."""
     from gateway.snapshots.collection import live_backend_snapshot_ids
@@ -213,6 +212,7 @@ async def test_rows_sharing_a_backend_snapshot_free_it_only_when_the_last_goes(g
     assert runtime.deleted_snapshots == shared and len(runtime.snapshots) == 1
     async with gateway.app.state.sessionmaker() as db:
         assert await live_backend_snapshot_ids(db_session=db, node=runtime.node) == set(runtime.snapshots)
+
 
 async def test_open_forks_hold_a_deleted_snapshot_until_they_end(gateway):
     task = await gateway.import_task("gc")
