@@ -169,12 +169,15 @@ class _Sandbox:
     sdk_socket: Any = None
     pid: int | None = None
     """Host pid of the container's init when this host sees the engine's processes."""
-    shell_floor: int = 0
-    """First clock tick after the shell started: a kill never reaches the shell itself."""
     shell_pid: int = 0
+    """The shell's pid inside the container."""
     shell_host_pid: int | None = None
     """The shell's pid on this host (None when the engine's processes are not visible)."""
-    """The shell's pid inside the container."""
+    shell_chain: frozenset[int] = frozenset()
+    """Host pids of the shell and whatever runs between it and the init: a command's kill spares them.
+
+    By pid, not by start time: on a fast host a command can start in the shell's own clock tick.
+    """
     rootfd: int | None = None
     """O_PATH descriptor of the container's root as its processes see it (host /proc only)."""
     workdir: str = "/"
@@ -503,8 +506,7 @@ class DockerBackend:
         sbx.workdir = result.cwd or sbx.workdir
         if sbx.pid is not None:
             sbx.shell_host_pid = await asyncio.to_thread(host_pid_of, sbx.shell_pid, child_pids(sbx.pid))
-            started = [start for _, start in await asyncio.to_thread(descendants, sbx.pid)]
-            sbx.shell_floor = max(started, default=0) + 1
+            sbx.shell_chain = frozenset(pid for pid, _ in await asyncio.to_thread(descendants, sbx.pid))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -688,7 +690,7 @@ class DockerBackend:
             assert sbx.channel is not None
             if sbx.channel.broken:  # the shell exited (`exit`) after the previous command
                 await self._restart(sbx, hung=False)
-            since = max(ticks_now(), sbx.shell_floor)
+            since = ticks_now()
 
             async def kill_command() -> None:
                 await self._kill_command(sbx, since)
@@ -723,7 +725,7 @@ class DockerBackend:
         if sbx.pid is not None:
             # Abort the command list in the shell first, then kill what it started.
             signal_pid(sbx.shell_host_pid, ABORT_SIGNAL)
-            n = await asyncio.to_thread(kill_descendants_since, sbx.pid, since_ticks)
+            n = await asyncio.to_thread(kill_descendants_since, sbx.pid, since_ticks, spare=sbx.shell_chain)
             logger.debug("killed %d processes of timed-out command in %s", n, sbx.id[:12])
             return
         assert sbx.channel is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Collection
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -101,15 +102,18 @@ def signal_pid(pid: int | None, sig: int) -> bool:
         return False
 
 
-def kill_descendants_since(root_pid: int, since_ticks: int, *, rounds: int = 50) -> int:
-    """SIGKILL every descendant of ``root_pid`` started at or after ``since_ticks``.
+def kill_descendants_since(root_pid: int, since_ticks: int, *, spare: Collection[int] = (), rounds: int = 50) -> int:
+    """SIGKILL every descendant of ``root_pid`` started at or after ``since_ticks``, but those in ``spare``.
+
+    ``spare`` names by pid what must live although it may have started in the same clock
+    tick (10 ms) as the command: a container's shell, when ``root_pid`` is its init.
 
     Repeats (bounded) because a fork bomb keeps making new processes while we kill.
     Returns how many processes were signalled.
     """
     killed = 0
     for _ in range(rounds):
-        victims = [pid for pid, start in descendants(root_pid) if start >= since_ticks]
+        victims = [pid for pid, start in descendants(root_pid) if start >= since_ticks and pid not in spare]
         if not victims:
             break
         for pid in victims:

@@ -2,13 +2,15 @@
 
 import asyncio
 import os
+import signal
 import subprocess
+import time
 
 import pytest
 
 from sandboxes.base import normalize_sandbox_path
 from sandboxes.errors import PathEscapeError
-from sandboxes.procs import kill_descendants_since, ticks_now
+from sandboxes.procs import descendants, kill_descendants_since, ticks_now
 from sandboxes.shell import (
     ABORT_SIGNAL,
     STDERR,
@@ -149,6 +151,24 @@ async def test_a_shell_that_ignores_every_abort_is_marked_broken(channel):
     assert r.timed_out and channel.broken
     assert len(attempts) >= 2
     kill_descendants_since(channel.pid, since)  # what a backend does when it replaces the shell
+
+
+def test_a_kill_spares_the_named_processes_whatever_their_start_tick():
+    """A container's shell is a descendant of its init: a command started in its clock tick dies, it does not."""
+    tree = subprocess.Popen(["bash", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
+    try:
+        for _ in range(500):  # bounded: the two sleeps start within milliseconds
+            children = [pid for pid, _ in descendants(tree.pid)]
+            if len(children) == 2:
+                break
+            time.sleep(0.01)
+        spared, _doomed = children
+        assert kill_descendants_since(tree.pid, 0, spare={spared}) >= 1
+        assert [pid for pid, _ in descendants(tree.pid)] == [spared]
+        assert kill_descendants_since(tree.pid, 0) >= 1
+    finally:
+        os.killpg(tree.pid, signal.SIGKILL)
+        tree.wait(timeout=10)
 
 
 @pytest.mark.parametrize(
