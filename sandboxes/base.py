@@ -11,9 +11,12 @@ import enum
 import posixpath
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from sandboxes.errors import PathEscapeError
+
+if TYPE_CHECKING:
+    from sandboxes.layers import LayerStack
 
 #: Default cap on the bytes of stdout (and, separately, stderr) kept per command.
 DEFAULT_MAX_OUTPUT_BYTES = 64 * 1024
@@ -193,6 +196,19 @@ class Snapshot:
         )
 
 
+@dataclass(frozen=True)
+class Revert:
+    """Paths a restored sandbox shows as ``base`` has them, not as the snapshot does.
+
+    ``base`` is what the snapshotted sandbox started from (an image ref, or the snapshot it
+    was restored from): a path ``base`` lacks is hidden, a directory comes back whole. How a
+    verifier gets the task image's own tools whatever the agent did to them.
+    """
+
+    paths: tuple[str, ...]
+    base: Snapshot | str
+
+
 @runtime_checkable
 class SandboxBackend(Protocol):
     """A handful of async methods every backend implements.
@@ -268,11 +284,39 @@ class SandboxBackend(Protocol):
             ImageNotFoundError: the image is not known to this backend.
         """
 
-    async def snapshot(self, sandbox_id: str, *, metadata: Mapping[str, str] | None = None) -> Snapshot:
-        """Capture the sandbox's filesystem, cwd and exports (not its background processes)."""
+    async def snapshot(
+        self, sandbox_id: str, *, metadata: Mapping[str, str] | None = None, shell_state: bool = True
+    ) -> Snapshot:
+        """Capture the sandbox's filesystem, cwd and exports (not its background processes).
 
-    async def restore(self, snapshot: Snapshot, n: int = 1, *, spec: SandboxSpec | None = None) -> builtins.list[SandboxInfo]:
-        """Start ``n`` independent sandboxes from ``snapshot``."""
+        With ``shell_state=False`` only the files are captured, without a word to the
+        sandbox's shell: it works whatever its programs became (a deleted shell, a stopped
+        sandbox), and the snapshot restores with the image's environment and workdir.
+        """
+
+    async def restore(
+        self,
+        snapshot: Snapshot,
+        n: int = 1,
+        *,
+        spec: SandboxSpec | None = None,
+        revert: Revert | None = None,
+        shell_state: bool = True,
+    ) -> builtins.list[SandboxInfo]:
+        """Start ``n`` independent sandboxes from ``snapshot``.
+
+        ``revert`` shows its paths as its base has them in every branch. With
+        ``shell_state=False`` the shells start as a create's would (the image's environment
+        plus ``spec.env``, the image's workdir), not with the snapshot's exports and cwd.
+        """
+
+    async def filesystem(self, source: Snapshot | str) -> LayerStack:
+        """Return a host-side, read-only view of a snapshot's or an image's files (:mod:`sandboxes.layers`).
+
+        Raises:
+            SandboxError: the backend keeps no layers this host can read (a remote engine,
+                a storage driver other than overlay2).
+        """
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Forget the snapshot and free its storage once nothing uses it (idempotent)."""

@@ -48,7 +48,7 @@ import secrets
 import socket
 import tarfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -65,6 +65,7 @@ from sandboxes.base import (
     ExecResult,
     ImageConfig,
     ImageInfo,
+    Revert,
     SandboxInfo,
     SandboxLedger,
     SandboxSpec,
@@ -81,6 +82,7 @@ from sandboxes.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
+from sandboxes.layers import LayerStack, layer_dirs_exist, seed_revert
 from sandboxes.network import EgressPolicy, apply_ruleset, network_problem
 from sandboxes.oci import nofile_limit
 from sandboxes.procs import (
@@ -574,7 +576,8 @@ class DockerBackend:
         """Start a container from ``spec.image`` and return once its shell answers."""
         return self._ledger.add(await create_cancel_safe(self._create(spec), self.destroy))
 
-    async def _create(self, spec: SandboxSpec) -> SandboxInfo:
+    async def _create(self, spec: SandboxSpec, prepare: Callable[[str], Awaitable[None]] | None = None) -> SandboxInfo:
+        """Create and start a container of ``spec``; ``prepare`` gets its id before it starts."""
         self._check_open()
         for key in spec.env:
             if not _ENV_NAME.match(key):
@@ -620,6 +623,8 @@ class DockerBackend:
             ) from exc
         sbx = _Sandbox(id=container.id, env=dict(spec.env))
         try:
+            if prepare is not None:
+                await prepare(container.id)
             await self._start(sbx)
             attrs = await self._inspect(sbx.id)
             if spec.network and not spec.network_of:
@@ -1049,31 +1054,48 @@ class DockerBackend:
 
     # -- snapshots --------------------------------------------------------------------
 
-    async def snapshot(self, sandbox_id: str, *, metadata: Mapping[str, str] | None = None) -> Snapshot:
+    async def snapshot(
+        self, sandbox_id: str, *, metadata: Mapping[str, str] | None = None, shell_state: bool = True
+    ) -> Snapshot:
         """Commit the container (paused while it is copied) to a snapshot image with its shell state.
 
         The image is ``forkyard/snapshot:<id>`` and carries the snapshot as JSON in its
-        ``forkyard.snapshot`` label. Background processes are not captured.
+        ``forkyard.snapshot`` label. Background processes are not captured. With
+        ``shell_state=False`` the shell is not asked anything (nor a stopped container
+        started): the files alone, exports empty, cwd the workdir.
 
         The id depends on the image's digest, so the image is first committed under a
         random tag of :data:`BUILD_REPOSITORY`, which names it until it has its own.
         """
-        sbx = await self._sandbox(sandbox_id)
+        if shell_state:
+            sbx = await self._sandbox(sandbox_id)
+        else:
+            self._check_open()
+            known = self._sandboxes.get(sandbox_id)
+            if known is None:
+                found = await self._inspect(sandbox_id)
+                known = self._sandboxes.get(found["Id"]) or _Sandbox(
+                    id=found["Id"], workdir=(found.get("Config") or {}).get("WorkingDir") or "/")
+            sbx = known
         meta = snapshot_metadata(metadata)
         async with sbx.lock:
             if sbx.destroyed:
                 raise SandboxNotFoundError(f"sandbox {sandbox_id!r} was destroyed")
-            assert sbx.channel is not None
-            if sbx.channel.broken:
-                await self._restart(sbx, hung=False)
-            state = await sbx.channel.run(CAPTURE_COMMAND, timeout_s=_READY_TIMEOUT_S, max_output_bytes=CAPTURE_MAX_BYTES)
-            if state.exit_code != 0 or state.timed_out or state.truncated:
-                raise SandboxError(
-                    f"cannot read the shell state of sandbox {sbx.id[:12]}: exit {state.exit_code} "
-                    f"{state.stderr.strip()[-300:]}"
-                )
-            env = parse_exported(state.stdout)
-            cwd = state.cwd or sbx.workdir
+            env: dict[str, str] = {}
+            cwd = sbx.workdir
+            if shell_state:
+                assert sbx.channel is not None
+                if sbx.channel.broken:
+                    await self._restart(sbx, hung=False)
+                state = await sbx.channel.run(CAPTURE_COMMAND, timeout_s=_READY_TIMEOUT_S,
+                                              max_output_bytes=CAPTURE_MAX_BYTES)
+                if state.exit_code != 0 or state.timed_out or state.truncated:
+                    raise SandboxError(
+                        f"cannot read the shell state of sandbox {sbx.id[:12]}: exit {state.exit_code} "
+                        f"{state.stderr.strip()[-300:]}"
+                    )
+                env = parse_exported(state.stdout)
+                cwd = state.cwd or sbx.workdir
             attrs = await self._inspect(sbx.id)
             config = attrs.get("Config") or {}
             host = attrs.get("HostConfig") or {}
@@ -1197,11 +1219,22 @@ class DockerBackend:
             return False
         return True
 
-    async def restore(self, snapshot: Snapshot, n: int = 1, *, spec: SandboxSpec | None = None) -> list[SandboxInfo]:
+    async def restore(
+        self,
+        snapshot: Snapshot,
+        n: int = 1,
+        *,
+        spec: SandboxSpec | None = None,
+        revert: Revert | None = None,
+        shell_state: bool = True,
+    ) -> list[SandboxInfo]:
         """Start ``n`` containers from the snapshot's image and re-apply its cwd and exports.
 
         ``spec`` (optional) sets resources, network and labels; its env is exported on top
-        of the snapshot's and its image is ignored.
+        of the snapshot's and its image is ignored. ``revert`` seeds each container's
+        writable layer, before it starts, so its paths read as its base has them (this host
+        must see the engine's overlay2 layers); ``shell_state=False`` starts each shell as a
+        create would (the image's environment and workdir, no re-applied exports).
         """
         self._check_open()
         if snapshot.backend != self.name or not snapshot.ref:
@@ -1211,7 +1244,7 @@ class DockerBackend:
         if not await self.has_image(snapshot.ref):
             raise SandboxNotFoundError(f"no snapshot {snapshot.id!r} on docker node {self.node!r}")
         # The engine gives every container its own HOSTNAME.
-        env = {k: v for k, v in snapshot.env.items() if k != "HOSTNAME"}
+        env = {k: v for k, v in snapshot.env.items() if k != "HOSTNAME"} if shell_state else {}
         env.update(spec.env if spec else {})
         eff = SandboxSpec(
             image=snapshot.ref,
@@ -1222,13 +1255,68 @@ class DockerBackend:
             labels=dict(spec.labels) if spec else {},
             network_of=spec.network_of if spec else None,
         )
-        command = restore_command(env, snapshot.cwd, keep=["HOSTNAME"])
+        command = restore_command(env, snapshot.cwd, keep=["HOSTNAME"]) if shell_state else None
+        prepare = None
+        if revert is not None and revert.paths:
+            top, base = await self.filesystem(snapshot), await self.filesystem(revert.base)
+            paths = tuple(revert.paths)
+
+            async def prepare(cid: str) -> None:
+                upper = await self._upper_dir(cid)
+                await asyncio.to_thread(seed_revert, upper, base=base, top=top, paths=paths)
 
         async def create() -> SandboxInfo:
             announce_launched()  # the engine does the rest
-            return await self.create(eff)
+            return self._ledger.add(await create_cancel_safe(self._create(eff, prepare), self.destroy))
 
         return await start_branches(self, snapshot, n, create=create, command=command, timeout_s=_READY_TIMEOUT_S)
+
+    async def filesystem(self, source: Snapshot | str) -> LayerStack:
+        """Return a host-side view of a snapshot's or an image's overlay2 layers.
+
+        Raises:
+            SandboxError: the engine's storage driver is not overlay2, or its layers are not
+                on this host (a remote engine).
+            ImageNotFoundError: no such image.
+        """
+        self._check_open()
+        if isinstance(source, Snapshot):
+            if source.backend != self.name or not source.ref:
+                raise SandboxError(f"snapshot {source.id} was not made by a docker backend")
+            ref = source.digest or source.ref
+        else:
+            ref = source
+        try:
+            attrs = await self._call("inspect an image", self._api.inspect_image, ref)
+        except docker.errors.NotFound as exc:
+            raise ImageNotFoundError(f"image {ref!r} is not known to the Docker engine") from exc
+        return LayerStack(self._overlay_layers(attrs, f"image {ref}"))
+
+    async def _upper_dir(self, cid: str) -> str:
+        """Return the host dir of a container's writable overlay2 layer."""
+        attrs = await self._call("inspect a container", self._api.inspect_container, cid)
+        driver = attrs.get("GraphDriver") or {}
+        upper = (driver.get("Data") or {}).get("UpperDir") or ""
+        self._overlay_layers(attrs, f"container {cid[:12]}")  # the same checks
+        return upper
+
+    def _overlay_layers(self, attrs: dict, what: str) -> list[str]:
+        """Return the overlay2 layer dirs (bottom to top) of inspect data, checking this host holds them."""
+        driver = attrs.get("GraphDriver") or {}
+        data = driver.get("Data") or {}
+        if driver.get("Name") != "overlay2" or not data.get("UpperDir"):
+            raise SandboxError(
+                f"the Docker engine keeps {what} with the {driver.get('Name') or 'unknown'!r} storage driver; reading "
+                "a sandbox's files from the host (what verifiers do) needs overlay2"
+            )
+        lowers = [p for p in (data.get("LowerDir") or "").split(":") if p]
+        layers = [*reversed(lowers), data["UpperDir"]]
+        if not layer_dirs_exist(layers):
+            raise SandboxError(
+                f"the layers of {what} are not on this host ({data['UpperDir']}): the Docker engine runs elsewhere; "
+                "reading a sandbox's files from the host (what verifiers do) needs a local engine"
+            )
+        return layers
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Delete the snapshot: its image goes now, or once no container restored from it is left.

@@ -65,6 +65,7 @@ from sandboxes.base import (
     ImageConfig,
     ImageInfo,
     Resources,
+    Revert,
     SandboxInfo,
     SandboxLedger,
     SandboxSpec,
@@ -91,6 +92,7 @@ from sandboxes.errors import (
     SandboxError,
     SandboxNotFoundError,
 )
+from sandboxes.layers import LayerStack, seed_revert
 from sandboxes.network import SLIRP_DNS, EgressPolicy, SandboxNetwork, start_network
 from sandboxes.oci import (
     DEFAULT_ISOLATION,
@@ -539,6 +541,11 @@ class _Restore:
     layers: list[str]
     config: ImageConfig
     cwd: str
+    """The shell's directory."""
+    seed: Callable[[Path], object] | None = None
+    """Fills the new upper dir before it is mounted (:func:`~sandboxes.layers.seed_revert`)."""
+    shell_state: bool = True
+    """False: the shell starts with a create's environment (defaults, image, spec), not the snapshot's exports."""
 
 
 @dataclass
@@ -927,7 +934,9 @@ class LocalBackend:
             except ProcessLookupError:
                 pass
 
-    async def snapshot(self, sandbox_id: str, *, metadata: Mapping[str, str] | None = None) -> Snapshot:
+    async def snapshot(
+        self, sandbox_id: str, *, metadata: Mapping[str, str] | None = None, shell_state: bool = True
+    ) -> Snapshot:
         """Capture the sandbox's filesystem, cwd and exports as an immutable snapshot.
 
         The sandbox's upper dir is copied (``cp -a``, whiteouts and opaque dirs kept) into
@@ -939,7 +948,8 @@ class LocalBackend:
         costs milliseconds. Restoring then mounts fresh overlays over the snapshot's layers,
         with no copy per branch. More than :attr:`max_snapshot_layers` layers are squashed
         into two (the bottom image layer and one merged layer). Background processes are
-        not captured.
+        not captured. With ``shell_state=False`` the shell is not asked anything (nor
+        started again if it died): the files alone, exports empty, cwd the workdir.
         """
         self._check_open()
         sb = self._live(sandbox_id)
@@ -948,18 +958,22 @@ class LocalBackend:
             async with sb.lock:
                 if sb.destroyed:
                     raise SandboxNotFoundError(f"sandbox {sandbox_id} was destroyed")
-                if sb.shell is None or sb.shell.channel.closed:
-                    await self._respawn(sb, sb.shell.channel.cwd if sb.shell else None)
-                state = await sb.shell.channel.run(
-                    CAPTURE_COMMAND, timeout_s=READY_TIMEOUT_S, max_output_bytes=CAPTURE_MAX_BYTES
-                )
-                if state.exit_code != 0 or state.timed_out or state.truncated:
-                    raise SandboxError(
-                        f"cannot read the shell state of sandbox {sandbox_id}: exit {state.exit_code} "
-                        f"{state.stderr.strip()[-300:]}"
+                env: dict[str, str] = {}
+                cwd = sb.workdir
+                if shell_state:
+                    if sb.shell is None or sb.shell.channel.closed:
+                        await self._respawn(sb, sb.shell.channel.cwd if sb.shell else None)
+                    assert sb.shell is not None
+                    state = await sb.shell.channel.run(
+                        CAPTURE_COMMAND, timeout_s=READY_TIMEOUT_S, max_output_bytes=CAPTURE_MAX_BYTES
                     )
-                env = parse_exported(state.stdout)
-                cwd = state.cwd or sb.workdir
+                    if state.exit_code != 0 or state.timed_out or state.truncated:
+                        raise SandboxError(
+                            f"cannot read the shell state of sandbox {sandbox_id}: exit {state.exit_code} "
+                            f"{state.stderr.strip()[-300:]}"
+                        )
+                    env = parse_exported(state.stdout)
+                    cwd = state.cwd or sb.workdir
                 stopped = self._freeze(sb)
                 try:
                     layer, digest = await self._seal_upper(sandbox_id, digest=True,
@@ -1000,25 +1014,60 @@ class LocalBackend:
         os.rename(tmp, final)
         return final
 
-    async def restore(self, snapshot: Snapshot, n: int = 1, *, spec: SandboxSpec | None = None) -> list[SandboxInfo]:
+    async def restore(
+        self,
+        snapshot: Snapshot,
+        n: int = 1,
+        *,
+        spec: SandboxSpec | None = None,
+        revert: Revert | None = None,
+        shell_state: bool = True,
+    ) -> list[SandboxInfo]:
         """Start ``n`` sandboxes on fresh overlays over the snapshot's layers, with its cwd and exports.
 
         ``spec`` (optional) sets resources, network and labels; its env is exported on top
         of the snapshot's and its image is ignored (the filesystem is the snapshot's).
+        ``revert`` seeds each branch's upper dir so its paths read as its base has them;
+        ``shell_state=False`` starts each shell as a create would (image env, workdir).
         """
         self._check_open()
         if snapshot.backend != self.name or not snapshot.layers:
             raise SandboxError(f"snapshot {snapshot.id} was not made by a local backend")
         if n < 1:
             raise SandboxError(f"restore needs n >= 1, got {n}")
-        with self._pinned(snapshot.layers):
-            return await self._restore(snapshot, n, spec)
+        base_layers: tuple[str, ...] = ()
+        if revert is not None:
+            base_layers = self._source_layers(revert.base)
+        with self._pinned(snapshot.layers + base_layers):
+            seed = None
+            if revert is not None and revert.paths:
+                top, base, paths = LayerStack(snapshot.layers), LayerStack(base_layers), tuple(revert.paths)
+                seed = functools.partial(seed_revert, base=base, top=top, paths=paths)
+            return await self._restore(snapshot, n, spec, seed=seed, shell_state=shell_state)
 
-    async def _restore(self, snapshot: Snapshot, n: int, spec: SandboxSpec | None) -> list[SandboxInfo]:
+    def _source_layers(self, source: Snapshot | str) -> tuple[str, ...]:
+        """Return the layers of a snapshot of this backend or of an image it holds."""
+        if isinstance(source, Snapshot):
+            if source.backend != self.name or not source.layers:
+                raise SandboxError(f"snapshot {source.id} was not made by a local backend")
+            if not self._snapshot_path(source.id).is_file():
+                raise SandboxNotFoundError(f"no snapshot {source.id!r} on node {self.node!r}")
+            return tuple(source.layers)
+        return tuple(self._load_manifest(source, usable=True)["layers"])
+
+    async def filesystem(self, source: Snapshot | str) -> LayerStack:
+        """Return a host-side view of a snapshot's or an image's layers."""
+        self._check_open()
+        return LayerStack(self._source_layers(source))
+
+    async def _restore(
+        self, snapshot: Snapshot, n: int, spec: SandboxSpec | None, *,
+        seed: Callable[[Path], object] | None = None, shell_state: bool = True,
+    ) -> list[SandboxInfo]:
         """Restore ``n`` branches of ``snapshot``, whose layers the caller keeps pinned."""
         if not self._snapshot_path(snapshot.id).is_file():
             raise SandboxNotFoundError(f"no snapshot {snapshot.id!r} on node {self.node!r}")
-        env = {**snapshot.env, **(spec.env if spec else {})}
+        env = {**(snapshot.env if shell_state else {}), **(spec.env if spec else {})}
         eff = SandboxSpec(
             image=snapshot.image,
             resources=spec.resources if spec else snapshot.resources,
@@ -1030,7 +1079,8 @@ class LocalBackend:
         )
         # Each shell starts with the snapshot's exports as its environment and cds to its
         # cwd in the command that checks it is up: no extra round trip per branch.
-        source = _Restore(layers=list(snapshot.layers), config=snapshot.config, cwd=snapshot.cwd)
+        source = _Restore(layers=list(snapshot.layers), config=snapshot.config,
+                          cwd=snapshot.cwd if shell_state else snapshot.workdir, seed=seed, shell_state=shell_state)
         return await start_branches(
             self, snapshot, n, create=lambda: self._recorded(create_cancel_safe(self._create(eff, source), self.destroy))
         )
@@ -1183,7 +1233,7 @@ class LocalBackend:
                     continue  # the id is taken
                 self._sandboxes[sid] = sb
                 ready = "true" if source is None else f"cd -- {ansi_c_quote(source.cwd)}"
-                cwd = sb.workdir if source is None else "/"
+                cwd = sb.workdir if source is None or not source.shell_state else "/"
                 sb.shell = await self._start_shell(sb, cwd, ready=ready, limits=spec.resources)
                 sb.state = SandboxState.READY
             except BaseException:
@@ -1223,6 +1273,8 @@ class LocalBackend:
             self._disks.create(disk, limit_bytes=int(spec.resources.disk_mb) << 20)
         for sub in ("upper", "work"):
             (disk / sub).mkdir()
+        if source is not None and source.seed is not None:
+            source.seed(disk / "upper")
         merged = self._merged_dir(sid)
         merged.mkdir(exist_ok=True)
         # The overlay's root takes the upper dir's owner and mode: root of the sandbox, not of the host.
@@ -1235,7 +1287,7 @@ class LocalBackend:
             if source is None:
                 self._prepare_rootfs(rootfd, workdir)
             user = self._resolve_user(rootfd, config.user)
-            if source is None:
+            if source is None or not source.shell_state:
                 env = {"PATH": DEFAULT_PATH, "HOME": user.home if user else "/root", "LANG": "C.UTF-8", "TERM": "dumb"}
                 env.update(config.env)
                 env.update(spec.env)

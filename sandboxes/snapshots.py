@@ -35,6 +35,7 @@ from typing import Any
 
 from sandboxes.base import SandboxBackend, SandboxInfo, Snapshot
 from sandboxes.errors import SandboxError
+from sandboxes.layers import OVERLAY_OPAQUE_XATTR
 from sandboxes.shell import ansi_c_quote
 
 #: Metadata key (and value) every snapshot carries: running processes are not part of it.
@@ -51,7 +52,6 @@ _VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 # Only builtins: prints NAME=VALUE\0 for every exported variable (values may hold newlines).
 CAPTURE_COMMAND = 'for __fy_n in $(compgen -e); do printf \'%s=%s\\0\' "$__fy_n" "${!__fy_n}"; done; unset __fy_n'
-OVERLAY_OPAQUE_XATTR = "trusted.overlay.opaque"
 
 
 def snapshot_metadata(extra: Mapping[str, str] | None) -> dict[str, str]:

@@ -7,7 +7,8 @@ import uuid
 
 import pytest
 
-from sandboxes.base import SandboxSpec, on_launched
+from sandboxes.base import Revert, SandboxSpec, on_launched
+from sandboxes.layers import ChangeKind, diff
 from sandboxes.shell import TIMEOUT_EXIT_CODE
 from sandboxes.snapshots import (
     BACKGROUND_PROCESSES_KEY,
@@ -63,6 +64,36 @@ async def snaps(backend):
 async def _sleep_count(backend, sid: str) -> int:
     r = await backend.exec(sid, "ps -eo comm= | grep -c '^sleep$' || true")
     return int(r.stdout.strip())
+
+
+async def test_a_files_only_snapshot_needs_nothing_of_the_sandboxs_programs(backend, snaps):
+    """shell_state=False: the files alone, taken without a word to a shell whose bash is gone."""
+    info = await backend.create(SPEC)
+    await backend.exec(info.id, "export GONE=1 && mkdir -p /work && echo kept > /work/f && cd /work && rm /usr/bin/bash")
+    snap = await backend.snapshot(info.id, shell_state=False)
+    snaps.append(snap)
+    assert snap.env == {} and snap.cwd == snap.workdir
+    changes = {c.path: c.kind for c in diff(await backend.filesystem(BASE_REF), await backend.filesystem(snap))}
+    assert changes["/usr/bin/bash"] is ChangeKind.DELETED and changes["/work/f"] is ChangeKind.ADDED, changes
+
+
+async def test_a_restore_can_put_paths_back_as_the_image_has_them(backend, snaps):
+    """revert: each branch shows the image's file, a whiteout for an added one; shell_state=False: no exports."""
+    info = await backend.create(SPEC)
+    await backend.exec(info.id, "printf '#!/bin/sh\\necho forged\\n' > /usr/bin/env && echo mine > /usr/bin/added && "
+                                "mkdir -p /work && echo kept > /work/f && export SECRET=agent")
+    snap = await backend.snapshot(info.id)
+    snaps.append(snap)
+    [plain] = await backend.restore(snap, 1)
+    assert "forged" in (await backend.exec(plain.id, "/usr/bin/env true; echo $SECRET")).stdout
+    branches = await backend.restore(snap, 2, revert=Revert(("/usr/bin/env", "/usr/bin/added"), BASE_REF),
+                                     shell_state=False)
+    for branch in branches:
+        out = (await backend.exec(branch.id, "env | grep -c '^SECRET=' ; test -e /usr/bin/added || echo hidden; "
+                                             "cat /work/f; env -i A=1 /usr/bin/env")).stdout.split()
+        assert out == ["0", "hidden", "kept", "A=1"], out
+    # The agent's sandbox and the snapshot keep what they had.
+    assert (await backend.exec(info.id, "cat /usr/bin/added")).stdout == "mine\n"
 
 
 async def test_branches_start_from_the_snapshot_and_diverge(backend, snaps):
