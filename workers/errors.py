@@ -88,6 +88,7 @@ class TaskSetupError(WorkerError):
 
     code = "task_setup_failed"
     status = 422
+    infra = True
 
 
 class ActionError(WorkerError):

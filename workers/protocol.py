@@ -63,6 +63,24 @@ class EpisodeStatus(str, enum.Enum):
     """Its oldest turn was more than ``max_staleness`` versions behind the policy."""
 
 
+class EpisodeOutcome(str, enum.Enum):
+    """Whose result an ended episode is. Only ``reward`` is training data; the others are never a 0.
+
+    An environment's final step says ``info["outcome"]`` (``reward`` or ``verifier_error``);
+    the runner adds ``policy_error`` and ``infra`` for episodes that ended in a failure.
+    """
+
+    REWARD = "reward"
+    """The verifier scored the agent's work (0 included, also when the agent broke its own sandbox
+    or was caught tampering: ``info.cause`` says so)."""
+    VERIFIER_ERROR = "verifier_error"
+    """The verifier timed out, crashed or left no readable reward: the task's fault, not the agent's."""
+    POLICY_ERROR = "policy_error"
+    """The inference server failed (unreachable, errors, unusable answers)."""
+    INFRA = "infra"
+    """A sandbox, image, node or task setup failed: nothing the agent could cause."""
+
+
 class Termination(str, enum.Enum):
     """Why an episode ended."""
 

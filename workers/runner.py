@@ -25,6 +25,7 @@ import asyncio
 import copy
 import functools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +40,15 @@ from workers.envs.registry import family_of
 from workers.errors import ActionError, ImageBuildError, WorkerError
 from workers.policy.base import Generation, PolicyClient, PolicyError, Sampling
 from workers.policy.toolcalls import ToolCallParseError, parse_tool_calls
-from workers.protocol import AgentSpec, EpisodeReporter, EpisodeResult, LimitsSpec, StepRecord, describe
+from workers.protocol import (
+    AgentSpec,
+    EpisodeOutcome,
+    EpisodeReporter,
+    EpisodeResult,
+    LimitsSpec,
+    StepRecord,
+    describe,
+)
 
 if TYPE_CHECKING:
     from workers.branching import Tree
@@ -199,12 +208,31 @@ VERIFIER_TAIL_CHARS = 2048
 
 
 def infra_failure(exc: BaseException) -> bool:
-    """Tell whether ``exc`` is the infrastructure's failure (a sandbox, an image), which says nothing of the policy.
+    """Tell whether ``exc`` is the infrastructure's failure (a sandbox, an image, a task's setup), not the policy's.
 
-    Episodes it ends are marked ``info.infra``: failed, dead-lettered with the reason, never
-    delivered (and never to be read as a reward of 0).
+    Episodes it ends are marked ``info.infra``: failed, retried on a fresh sandbox while
+    attempts remain, never delivered as training data (and never to be read as a reward of 0).
     """
     return isinstance(exc, SandboxError) or bool(getattr(exc, "infra", False))
+
+
+def failure_info(outcome: EpisodeOutcome) -> dict[str, Any]:
+    """Return the ``info`` of an episode that failed with ``outcome`` (``infra`` also keeps ``info.infra``)."""
+    return {"outcome": outcome.value, **({"infra": True} if outcome is EpisodeOutcome.INFRA else {})}
+
+
+def final_outcome(final: StepResult) -> EpisodeOutcome:
+    """Return whose result an episode's final (verified) step is.
+
+    The family's ``info["outcome"]`` when it names one; a family that names none gave a
+    reward unless it left none (or a non-finite one), which is the verifier's failure.
+    """
+    declared = final.info.get("outcome")
+    if declared in {o.value for o in EpisodeOutcome} and declared != EpisodeOutcome.REWARD.value:
+        return EpisodeOutcome(declared)
+    if final.reward is None or not math.isfinite(final.reward):
+        return EpisodeOutcome.VERIFIER_ERROR
+    return EpisodeOutcome.REWARD
 
 
 def verifier_summary(verifier: dict[str, Any]) -> dict[str, Any]:
@@ -332,25 +360,34 @@ async def _drive(
         timings["agent_s"] = time.monotonic() - t - outcome.verify_s
         timings["verify_s"] = outcome.verify_s
         final = outcome.final
-        status = "completed" if final.terminated else "truncated"
         # What the family says of the verdict (terminal: reward_details, verifier_error; swe: grading),
         # less the last step's own bookkeeping.
         info = {k: v for k, v in final.info.items() if k not in _STEP_ONLY_INFO}
         if isinstance(final.info.get("verifier"), dict):  # why a reward is what it is, without a rerun
             info["verifier"] = verifier_summary(final.info["verifier"])
-        return result(status, outcome.termination, reward=final.reward, info=info, artifacts=final.artifacts)
+        verdict = final_outcome(final)
+        if verdict is not EpisodeOutcome.REWARD:  # never a 0: the episode failed, and is retried
+            reason = next((text for text in (final.info.get(verdict.value), final.info.get("error"))
+                           if isinstance(text, str) and text), "the verifier left no reward")
+            return result("failed", outcome.termination, error=f"{verdict.value}: {reason}",
+                          info={**info, **failure_info(verdict)}, artifacts=final.artifacts)
+        info["outcome"] = verdict.value
+        return result("completed" if final.terminated else "truncated", outcome.termination, reward=final.reward,
+                      info=info, artifacts=final.artifacts)
     except _Stale as exc:
         return result("stale", "stale", error=str(exc))
     except PolicyError as exc:
-        return result("failed", "error", error=f"policy: {exc}")
+        return result("failed", "error", error=f"policy: {exc}", info=failure_info(EpisodeOutcome.POLICY_ERROR))
     except (ImageBuildError, SandboxError, WorkerError) as exc:
+        # Not infra_failure() alone: a worker error the runner did not expect is still nothing the agent did.
         return result("failed", "error", error=f"{type(exc).__name__}: {exc}",
-                      info={"infra": True} if infra_failure(exc) else None)
+                      info=failure_info(EpisodeOutcome.INFRA))
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # an episode never takes the rollout down with it
         logger.exception("episode %s failed unexpectedly", episode_id)
-        return result("failed", "error", error=f"internal error: {type(exc).__name__}: {exc}")
+        return result("failed", "error", error=f"internal error: {type(exc).__name__}: {exc}",
+                      info=failure_info(EpisodeOutcome.INFRA))
     finally:
         release = getattr(run.policy, "release", None)
         if release is not None:
@@ -421,7 +458,8 @@ async def _snapshot_for(tree: Any, env: Forkable, turn: int) -> EnvSnapshot:
 
 def _failed_branch(state: _Episode, error: str) -> EpisodeResult:
     return EpisodeResult(status="failed", termination="error", reward=None, error=error, steps=[],
-                         messages=list(state.messages), timings={}, weight_versions=list(state.versions))
+                         messages=list(state.messages), timings={}, weight_versions=list(state.versions),
+                         info=failure_info(EpisodeOutcome.INFRA))
 
 
 class _Stale(Exception):

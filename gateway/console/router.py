@@ -361,8 +361,9 @@ async def rollout_page(request: Request, rollout_id: str, db_session: DbSession,
     row = await found(rollouts_service.get_rollout(db_session=db_session, rollout_id=rollout_id),
                       f"rollout {rollout_id}")
     status = status if status in [s.value for s in EpisodeStatus] else ""
-    counts, progress = (await rollouts_service.rollout_stats(db_session=db_session, rollouts=[row]))[row.id]
-    return render(request, "rollout.html", rollout=row, counts=counts, progress=progress, status=status,
+    stats = (await rollouts_service.rollout_stats(db_session=db_session, rollouts=[row]))[row.id]
+    return render(request, "rollout.html", rollout=row, counts=stats.counts, progress=stats.progress,
+                  partial_groups=stats.partial_groups, status=status,
                   rewards=await queries.rollout_rewards(db_session, rollout_id),
                   episodes=await queries.episodes(db_session, rollout_id, page, status),
                   dead=await queries.dead_letters(db_session, rollout_id, dead_page))

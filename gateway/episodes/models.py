@@ -24,7 +24,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from gateway.db import Base, utcnow
 from gateway.rollouts.models import enum_column
-from workers.protocol import EpisodeStatus, Termination
+from workers.protocol import EpisodeOutcome, EpisodeStatus, Termination
 
 #: A 64-bit autoincrementing key (SQLite only autoincrements an INTEGER PRIMARY KEY).
 BigIntKey = BigInteger().with_variant(Integer(), "sqlite")
@@ -51,6 +51,9 @@ class Episode(Base):
     status: Mapped[EpisodeStatus] = mapped_column(enum_column(EpisodeStatus))
     termination: Mapped[Termination | None] = mapped_column(enum_column(Termination), default=None)
     reward: Mapped[float | None] = mapped_column(default=None)
+    outcome: Mapped[EpisodeOutcome | None] = mapped_column(enum_column(EpisodeOutcome), default=None)
+    """Whose result the ended episode is (only ``reward`` is training data); None while active and for failures
+    of no type (cancelled, refused before it ran)."""
     error: Mapped[str | None] = mapped_column(Text, default=None)
     messages: Mapped[list[Any]] = mapped_column(JSON, default=list)
     timings: Mapped[dict[str, Any]] = mapped_column(default=dict)

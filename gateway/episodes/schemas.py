@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from workers.protocol import EpisodeStatus, Termination
+from workers.protocol import EpisodeOutcome, EpisodeStatus, Termination
 
 
 class EpisodeRead(BaseModel):
@@ -25,6 +25,9 @@ class EpisodeRead(BaseModel):
     status: EpisodeStatus
     termination: Termination | None
     reward: float | None
+    outcome: EpisodeOutcome | None = None
+    """Whose result the ended episode is: ``reward`` (the agent's, training data), or ``verifier_error``,
+    ``policy_error``, ``infra`` (retried, never a 0); None while it runs and for failures of no outcome."""
     error: str | None
     num_turns: int
     """Steps the episode ran itself (a branch's inherited prefix is not counted)."""
@@ -108,6 +111,8 @@ class EpisodeTraining(BaseModel):
 
     ``input_ids`` is every token in order; ``loss_mask`` is 1 exactly on sampled tokens;
     ``logprobs`` holds one value per sampled token (``len(logprobs) == sum(loss_mask)``).
+    A failed episode's view is masked: ``loss_mask`` all zeros, no ``logprobs``, ``reward`` None,
+    with its ``outcome`` and ``error``.
     """
 
     episode_id: str
@@ -115,6 +120,10 @@ class EpisodeTraining(BaseModel):
     loss_mask: list[int]
     logprobs: list[float | None]
     reward: float | None
+    outcome: EpisodeOutcome | None = None
+    """``reward`` for training data; ``infra``, ``verifier_error`` or ``policy_error`` for a masked failure."""
+    error: str | None = None
+    """What ended a failed episode."""
     group_id: str
     weight_versions: list[int]
     termination: Termination | None

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -32,6 +33,7 @@ from gateway.policies import service as policies_service
 from gateway.rollouts.events import rollout_events
 from gateway.rollouts.models import (
     ACTIVE_EPISODE_STATUSES,
+    FAILURE_OUTCOMES,
     FINAL_EPISODE_STATUSES,
     FINAL_ROLLOUT_STATUSES,
     USABLE_EPISODE_STATUSES,
@@ -41,12 +43,14 @@ from gateway.rollouts.models import (
     RolloutStatus,
     StalenessAction,
 )
-from workers.protocol import EpisodeStatus, Termination
+from workers.protocol import EpisodeOutcome, EpisodeStatus, Termination
 
 logger = logging.getLogger(__name__)
 
 #: Longest error text kept on an episode row.
 MAX_ERROR_CHARS = 4000
+#: Longest error of one failed sample quoted in a partial group's reason.
+MAX_REASON_ERROR_CHARS = 300
 #: The error of an episode a gateway restart cut short.
 INTERRUPTED_ERROR = "interrupted by a gateway restart"
 #: The StepRecord fields :func:`record_step` stores.
@@ -64,6 +68,25 @@ def _error_text(error: BaseException | str | None) -> str | None:
 
 def _finite(value: float | None) -> float | None:
     return value if value is None or math.isfinite(value) else None
+
+
+def outcome_of(status: EpisodeStatus, info: Mapping[str, Any]) -> EpisodeOutcome | None:
+    """Return the outcome of an episode that ended as ``status`` with ``info``.
+
+    A usable episode is the agent's reward. A failed one has the runner's ``info.outcome``
+    (a failure outcome), else ``infra`` when ``info.infra`` says so (paths that predate
+    typed outcomes), else none (cancelled, refused before it ran). A stale one keeps the
+    verdict its runner reported, if any.
+    """
+    if status in USABLE_EPISODE_STATUSES:
+        return EpisodeOutcome.REWARD
+    declared = info.get("outcome")
+    known = declared if declared in {o.value for o in EpisodeOutcome} else None
+    if status == EpisodeStatus.FAILED:
+        if known is not None and EpisodeOutcome(known) in FAILURE_OUTCOMES:
+            return EpisodeOutcome(known)
+        return EpisodeOutcome.INFRA if info.get("infra") is True else None
+    return EpisodeOutcome(known) if known is not None else None
 
 
 # --------------------------------------------------------------------------- reads
@@ -127,7 +150,11 @@ def training_view(episode: Episode, steps: Iterable[EpisodeStep], *,
     episode that ran them and how many leaves share them; ``shared_prefix_len`` counts the
     leading tokens this leaf shares with at least one other leaf (the shared steps plus the
     prompt of the turn where it diverged), so a trainer can count them once.
+
+    A failed episode is never training data: its view is masked (``loss_mask`` all zeros, no
+    ``logprobs``, ``reward`` None) and says its ``outcome`` and ``error``.
     """
+    masked = episode.status == EpisodeStatus.FAILED
     input_ids: list[int] = []
     loss_mask: list[int] = []
     logprobs: list[float | None] = []
@@ -142,10 +169,11 @@ def training_view(episode: Episode, steps: Iterable[EpisodeStep], *,
         input_ids.extend(prompt)
         loss_mask.extend([0] * len(prompt))
         input_ids.extend(completion)
-        loss_mask.extend([1] * len(completion))
-        step_logprobs = list(step.logprobs) if step.logprobs is not None else []
-        step_logprobs = step_logprobs[: len(completion)]
-        logprobs.extend(step_logprobs + [None] * (len(completion) - len(step_logprobs)))
+        loss_mask.extend([0 if masked else 1] * len(completion))
+        if not masked:
+            step_logprobs = list(step.logprobs) if step.logprobs is not None else []
+            step_logprobs = step_logprobs[: len(completion)]
+            logprobs.extend(step_logprobs + [None] * (len(completion) - len(step_logprobs)))
         if tree is None:
             continue
         shared_by = tree.leaves_sharing(step.episode_id, step.index) + uncounted
@@ -164,7 +192,9 @@ def training_view(episode: Episode, steps: Iterable[EpisodeStep], *,
         "input_ids": input_ids,
         "loss_mask": loss_mask,
         "logprobs": logprobs,
-        "reward": episode.reward,
+        "reward": None if masked else episode.reward,
+        "outcome": episode.outcome.value if episode.outcome else None,
+        "error": episode.error,
         "group_id": episode.group_id,
         "weight_versions": list(episode.weight_versions or []),
         "termination": episode.termination.value if episode.termination else None,
@@ -598,11 +628,14 @@ async def finish_episode(
 ) -> Episode:
     """Record how an episode ended and settle what follows, in one transaction.
 
+    - Its outcome is recorded (see :func:`outcome_of`).
     - Staleness: a completed/truncated episode whose oldest turn lags the policy's version
       (``current_version``, or the announced version when None) by more than the rollout's
       ``max_staleness`` becomes ``stale``; with ``staleness_action`` rerun and attempts
       left a new queued attempt (same group and sample) is created, else it is dead-lettered.
-    - A failed episode is dead-lettered with its error.
+    - A failed episode whose outcome is ``infra``, ``verifier_error`` or ``policy_error`` gets
+      a new queued attempt (a fresh sandbox) while attempts remain; otherwise it is dead-lettered
+      with its error.
     - Its group enters the delivery stream when ready (see :func:`release_group_if_ready`).
     - The rollout becomes ``completed`` when no episode is queued or running.
 
@@ -632,6 +665,7 @@ async def finish_episode(
     now = utcnow()
     versions = [int(v) for v in (weight_versions or []) if v is not None]
     extra = dict(info or {})
+    episode.outcome = outcome_of(status, extra)
     if status in USABLE_EPISODE_STATUSES and rollout.max_staleness is not None and versions:
         version = current_version if current_version is not None else await policies_service.current_version(
             db_session=db_session, name=rollout.policy_name)
@@ -687,8 +721,9 @@ async def requeue_interrupted(
             episode.termination = Termination.ERROR
             episode.error = error
             episode.info = {**(episode.info or {}), "infra": True}  # the node's fault, never the policy's
+            episode.outcome = EpisodeOutcome.INFRA
             episode.finished_at = now
-            await _settle(db_session, rollout, episode, now, retry_failed=True)
+            await _settle(db_session, rollout, episode, now)
             interrupted += 1
         await db_session.commit()
         rollout_events.notify(rollout_id)
@@ -727,25 +762,26 @@ def is_stale_now(rollout: Rollout, episode: Episode, version: int) -> bool:
     return _is_stale(rollout, list(episode.weight_versions or []), version)
 
 
-async def _settle(
-    db_session: AsyncSession, rollout: Rollout, episode: Episode, now: datetime, *, retry_failed: bool = False
-) -> None:
+async def _settle(db_session: AsyncSession, rollout: Rollout, episode: Episode, now: datetime) -> None:
     """After ``episode`` reached a final state: rerun or dead-letter it, release its group, complete the rollout."""
     group = await db_session.get(EpisodeGroup, episode.group_id, populate_existing=True)
     assert group is not None
+    # A surplus sample of a group already streamed (early mode, spares): no point running it again.
+    surplus = group.released_at is not None and not await _sample_was_streamed(db_session, episode)
     if episode.status == EpisodeStatus.STALE:
-        streamed = await _sample_was_streamed(db_session, episode)
-        if group.released_at is not None and not streamed:
-            # A surplus sample of a group already streamed (early mode): no point running it again.
+        if surplus:
             episode.dead_letter_reason = _stale_reason(episode) + "; its group was already delivered"
         else:
             await _retire_stale(db_session, rollout, episode, now)
     elif episode.status == EpisodeStatus.FAILED:
-        if retry_failed and rollout.branching is None and episode.attempt < rollout.max_attempts and \
-                rollout.status not in (RolloutStatus.CANCELLED, RolloutStatus.FAILED):
+        reason = episode.error or "the episode failed"
+        why_not = "its group was already delivered" if surplus else _no_rerun(rollout, episode)
+        if episode.outcome not in FAILURE_OUTCOMES:  # cancelled or refused: running it again changes nothing
+            episode.dead_letter_reason = reason
+        elif why_not is None:
             _queue_attempt(db_session, rollout, episode, now)
         else:
-            episode.dead_letter_reason = episode.error or "the episode failed"
+            episode.dead_letter_reason = f"{reason}; {why_not}"
     await db_session.flush()
     await release_group_if_ready(db_session=db_session, rollout=rollout, group=group, episode=episode, now=now)
     await _complete_if_done(db_session, rollout, now)
@@ -764,16 +800,24 @@ async def _retire_stale(
 ) -> Episode | None:
     """Rerun a stale episode if the rollout allows it (returning the rerun), else dead-letter it."""
     reason = _stale_reason(episode)
+    why_not = _no_rerun(rollout, episode)
     if rollout.staleness_action != StalenessAction.RERUN:
         episode.dead_letter_reason = reason
-    elif rollout.branching is not None:
-        episode.dead_letter_reason = f"{reason}; episodes of trajectory trees are not rerun"
-    elif rollout.status in (RolloutStatus.CANCELLED, RolloutStatus.FAILED):
-        episode.dead_letter_reason = f"{reason}; not rerun because the rollout is {rollout.status.value}"
-    elif episode.attempt >= rollout.max_attempts:
-        episode.dead_letter_reason = f"{reason}; no attempts left (max_attempts {rollout.max_attempts})"
+    elif why_not is not None:
+        episode.dead_letter_reason = f"{reason}; {why_not}"
     else:
         return _queue_attempt(db_session, rollout, episode, now)
+    return None
+
+
+def _no_rerun(rollout: Rollout, episode: Episode) -> str | None:
+    """Return why ``episode``'s sample gets no new attempt, or None if it may have one."""
+    if rollout.branching is not None:
+        return "episodes of trajectory trees are not rerun"
+    if rollout.status in (RolloutStatus.CANCELLED, RolloutStatus.FAILED):
+        return f"not rerun because the rollout is {rollout.status.value}"
+    if episode.attempt >= rollout.max_attempts:
+        return f"no attempts left (max_attempts {rollout.max_attempts})"
     return None
 
 
@@ -794,10 +838,10 @@ def _queue_attempt(db_session: AsyncSession, rollout: Rollout, episode: Episode,
 
 
 async def _sample_was_streamed(db_session: AsyncSession, episode: Episode) -> bool:
-    """Return whether an earlier attempt of this episode's sample entered the stream."""
+    """Return whether an earlier attempt of this episode's sample entered the stream as training data."""
     stmt = select(func.count()).select_from(Episode).where(
         Episode.group_id == episode.group_id, Episode.sample_index == episode.sample_index,
-        Episode.id != episode.id, Episode.seq.is_not(None),
+        Episode.id != episode.id, Episode.seq.is_not(None), Episode.status != EpisodeStatus.FAILED,
     )
     return bool(await db_session.scalar(stmt))
 
@@ -805,30 +849,78 @@ async def _sample_was_streamed(db_session: AsyncSession, episode: Episode) -> bo
 async def release_group_if_ready(
     *, db_session: AsyncSession, rollout: Rollout, group: EpisodeGroup, episode: Episode | None, now: datetime
 ) -> bool:
-    """Give the group's usable episodes stream positions once the group is ready; return whether it was released.
+    """Give the group's episodes stream positions once the group is ready; return whether it was released.
 
-    Ready means, in ``complete`` mode, no sample of the group is queued or running any more;
-    in ``early`` mode, also as soon as ``min_group_size`` usable (completed or truncated)
-    episodes exist. Usable episodes that finish after the release are kept but not streamed,
-    except a rerun replacing a streamed episode found stale at delivery, which is streamed
-    on its own. The caller holds the rollout lock and commits.
+    Ready means no sample of the group is queued or running any more, or (outside trees) that
+    it has as many usable (completed or truncated) episodes as it asks for: ``group_size``,
+    ``min_group_size`` in ``early`` mode. The first ``group_size`` usable episodes to finish
+    are streamed (in sample order), then the group's failed attempts with a failure outcome,
+    which only consumers asking for failed episodes receive (masked). A group released with
+    fewer usable episodes than it asks for is flagged ``partial`` with the reason.
+
+    Once a group has ``group_size`` usable episodes its queued samples (spares, reruns; not the
+    rerun of a streamed sample) are cancelled. Episodes that end after the release are kept but not streamed, except a rerun
+    replacing a streamed episode found stale at delivery, which is streamed on its own. The
+    caller holds the rollout lock and commits.
     """
+    rows = list((await db_session.scalars(select(Episode).where(Episode.group_id == group.id))).all())
+    usable = [e for e in rows if e.status in USABLE_EPISODE_STATUSES]
+    tree = rollout.branching is not None
+    if not tree and len(usable) >= rollout.group_size:
+        streamed = {e.sample_index for e in rows if e.seq is not None and e.status != EpisodeStatus.FAILED}
+        _cancel_queued([e for e in rows if e.status == EpisodeStatus.QUEUED and e.sample_index not in streamed],
+                       Termination.CANCELLED, f"not run: its group already has {len(usable)} usable samples", now)
     if group.released_at is not None:
         if (episode is not None and episode.status in USABLE_EPISODE_STATUSES and episode.seq is None
                 and await _sample_was_streamed(db_session, episode)):
             _assign_seq(rollout, [episode])
         return False
-    rows = list((await db_session.scalars(select(Episode).where(Episode.group_id == group.id))).all())
-    usable = sorted((e for e in rows if e.status in USABLE_EPISODE_STATUSES), key=lambda e: e.sample_index)
-    active = any(e.status in ACTIVE_EPISODE_STATUSES for e in rows)
-    early = rollout.group_mode == GroupMode.EARLY and len(usable) >= (rollout.min_group_size or rollout.group_size)
-    if active and not early:
+    wanted = rollout.min_group_size if rollout.group_mode == GroupMode.EARLY and rollout.min_group_size else \
+        rollout.group_size
+    if any(e.status in ACTIVE_EPISODE_STATUSES for e in rows) and (tree or len(usable) < wanted):
         return False
+    first = sorted(usable, key=lambda e: (e.finished_at or now, e.sample_index))
+    winners = first if tree else first[:rollout.group_size]
+    failed = [e for e in rows if e.status == EpisodeStatus.FAILED and e.outcome in FAILURE_OUTCOMES]
     group.released_at = now
     group.updated_at = now
-    _assign_seq(rollout, usable)
-    logger.info("group %s of rollout %s released: %d usable episode(s) streamed", group.id, rollout.id, len(usable))
+    _assign_seq(rollout, sorted(winners, key=lambda e: (e.sample_index, e.created_at)))
+    _assign_seq(rollout, sorted(failed, key=lambda e: (e.sample_index, e.attempt, e.created_at)))
+    if len(winners) < (len(rows) if tree else wanted):
+        group.partial = True
+        group.partial_reason = _partial_reason(rows, tree=tree)
+    logger.info("group %s of rollout %s released: %d usable episode(s) streamed%s", group.id, rollout.id,
+                len(winners), f" (partial: {group.partial_reason})" if group.partial else "")
     return True
+
+
+def _partial_reason(rows: Sequence[Episode], *, tree: bool) -> str:
+    """Say how many samples (a tree's episodes) of a group failed for good, with each one's outcome and error."""
+    last: dict[Any, Episode] = {}
+    for e in rows:  # a sample's last attempt is its verdict (a tree's episodes are each their own)
+        key = e.id if tree else e.sample_index
+        if key not in last or e.attempt > last[key].attempt:
+            last[key] = e
+    lost = [e for e in last.values() if e.status not in USABLE_EPISODE_STATUSES]
+    labels: Counter[str] = Counter()
+    for e in sorted(lost, key=lambda e: (e.sample_index, e.created_at)):
+        kind = e.outcome.value if e.outcome else e.status.value if e.status == EpisodeStatus.STALE else \
+            e.termination.value if e.termination else e.status.value
+        why = (e.error or e.dead_letter_reason or "no reason given")[:MAX_REASON_ERROR_CHARS]
+        labels[why if why.startswith(f"{kind}:") else f"{kind}: {why}"] += 1
+    causes = "; ".join(text + (f" (x{n})" if n > 1 else "") for text, n in labels.items())
+    noun = "episodes" if tree else "samples"
+    return f"{len(lost)} of {len(last)} {noun} failed for good: {causes}"[:MAX_ERROR_CHARS]
+
+
+def _cancel_queued(episodes: Iterable[Episode], termination: Termination, reason: str, now: datetime) -> None:
+    """End queued episodes that will not run as failed (dead-lettered with ``reason``)."""
+    for episode in episodes:
+        episode.status = EpisodeStatus.FAILED
+        episode.termination = termination
+        episode.error = reason
+        episode.dead_letter_reason = reason
+        episode.finished_at = now
 
 
 def _assign_seq(rollout: Rollout, episodes: Sequence[Episode]) -> None:
@@ -859,12 +951,7 @@ async def settle_cancelled(
     queued = list((await db_session.scalars(
         select(Episode).where(Episode.rollout_id == rollout.id, Episode.status == EpisodeStatus.QUEUED))).all())
     termination = Termination.CANCELLED if status == RolloutStatus.CANCELLED else Termination.ERROR
-    for episode in queued:
-        episode.status = EpisodeStatus.FAILED
-        episode.termination = termination
-        episode.error = reason
-        episode.dead_letter_reason = reason
-        episode.finished_at = now
+    _cancel_queued(queued, termination, reason, now)
     await db_session.flush()
     for group_id in sorted({e.group_id for e in queued}):
         group = await db_session.get(EpisodeGroup, group_id, populate_existing=True)

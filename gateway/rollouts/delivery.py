@@ -4,6 +4,11 @@ Everything lives in the database, so a gateway restart loses nothing.
 
 - An episode enters its rollout's stream when its group is released
   (``episodes.service.release_group_if_ready``): it gets ``seq``, its position (1, 2, ...).
+  The group's failed attempts with a failure outcome (infra, verifier_error, policy_error)
+  enter it too, after its usable episodes, but only a delivery asking for them
+  (``include_failed``) hands them out, masked (reward None, loss_mask all zeros); any other
+  delivery passes over them as over a withdrawn entry. Either way they take a ``seq``, a
+  lease and an ack like every entry, so ``done`` waits for them only where they were delivered.
 - A consumer (group) is a name per rollout with ``last_delivered_seq``: every entry at or
   below it has been handed to that consumer once. A new consumer starts at 0 (everything).
 - A delivery hands out (1) entries leased to this consumer whose lease expired
@@ -56,8 +61,10 @@ from gateway.rollouts.models import (
     DeliveryConsumer,
     DeliveryLease,
     DeliveryState,
+    EpisodeGroup,
     Rollout,
 )
+from workers.protocol import EpisodeStatus
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +81,8 @@ class Delivery:
     """What one delivery handed to a consumer."""
 
     episodes: list[dict[str, Any]]
-    """Training views plus ``seq``, ``rollout_id``, ``task_id``, ``sample_index``, ``attempt``, ``delivery_count``."""
+    """Training views plus ``seq``, ``rollout_id``, ``task_id``, ``sample_index``, ``attempt``, ``delivery_count``,
+    ``group_partial`` and ``group_reason``."""
     cursor: int
     """The consumer's ``last_delivered_seq`` after this delivery."""
     done: bool
@@ -139,9 +147,13 @@ async def rewind(
 
 
 async def deliver(
-    *, db_session: AsyncSession, rollout_id: str, consumer: str, max_episodes: int, visibility_timeout_s: float
+    *, db_session: AsyncSession, rollout_id: str, consumer: str, max_episodes: int, visibility_timeout_s: float,
+    include_failed: bool = False,
 ) -> Delivery:
-    """Hand up to ``max_episodes`` entries to ``consumer`` now (no waiting), leased for ``visibility_timeout_s``."""
+    """Hand up to ``max_episodes`` entries to ``consumer`` now (no waiting), leased for ``visibility_timeout_s``.
+
+    ``include_failed``: hand out the failed entries too (masked), instead of passing over them.
+    """
     row = await get_consumer(db_session=db_session, rollout_id=rollout_id, name=consumer)
     if not await _has_work(db_session, rollout_id, row):
         # Idle polls stay read-only: no write lock unless there is something to hand out.
@@ -158,6 +170,8 @@ async def deliver(
     async def fresh(episode: Episode) -> bool:
         """Return whether ``episode`` may be delivered; withdraw it if it went stale."""
         nonlocal version, locked, rollout, reopened
+        if episode.status == EpisodeStatus.FAILED:  # only failed entries carry a seq: never training data
+            return include_failed
         if episode.status not in USABLE_EPISODE_STATUSES:
             return False
         if rollout.max_staleness is None:
@@ -216,12 +230,17 @@ async def deliver(
     if locked:
         rollout_events.notify(rollout_id)
     views = await training_views(db_session=db_session, episodes=[e for e, _ in out])
+    group_ids = list({e.group_id for e, _ in out})
+    groups = {g.id: g for g in (await db_session.scalars(
+        select(EpisodeGroup).where(EpisodeGroup.id.in_(group_ids)))).all()} if group_ids else {}
     episodes = []
     for episode, lease in out:
         view = views[episode.id]
+        group = groups[episode.group_id]
         view.update(seq=lease.seq, rollout_id=episode.rollout_id, task_id=episode.task_id,
                     sample_index=episode.sample_index, attempt=episode.attempt,
-                    delivery_count=lease.delivery_count)
+                    delivery_count=lease.delivery_count, group_partial=group.partial,
+                    group_reason=group.partial_reason)
         episodes.append(view)
     if out:
         logger.debug("rollout %s: delivered %d episode(s) to %s (cursor %d)", rollout_id, len(out), consumer,
@@ -261,11 +280,13 @@ async def _is_done(db_session: AsyncSession, rollout_id: str, consumer: Delivery
 async def pull_episodes(
     *, db_session: AsyncSession, rollout_id: str, consumer: str, max_episodes: int = 16, wait_s: float = 0.0,
     visibility_timeout_s: float = 60.0, cursor: int | None = None, redeliver: bool = False,
+    include_failed: bool = False,
 ) -> Delivery:
     """Deliver up to ``max_episodes`` entries to ``consumer``, long-polling up to ``wait_s`` for the first one.
 
     Returns as soon as something is delivered, the consumer is done, or ``wait_s`` passes.
-    ``cursor``/``redeliver`` first make lost pending entries redeliverable (see :func:`rewind`).
+    ``cursor``/``redeliver`` first make lost pending entries redeliverable (see :func:`rewind`);
+    ``include_failed`` delivers failed entries too, masked (see :func:`deliver`).
 
     Raises:
         NotFoundError: no such rollout.
@@ -278,7 +299,8 @@ async def pull_episodes(
     while True:
         event = rollout_events.event(rollout_id)  # before reading, so no wake-up is missed
         delivery = await deliver(db_session=db_session, rollout_id=rollout_id, consumer=consumer,
-                                 max_episodes=max_episodes, visibility_timeout_s=visibility_timeout_s)
+                                 max_episodes=max_episodes, visibility_timeout_s=visibility_timeout_s,
+                                 include_failed=include_failed)
         await db_session.commit()
         reopened |= delivery.reopened
         left = deadline - time.monotonic()
@@ -323,7 +345,7 @@ def format_event(*, data: Any, event: str | None = None, event_id: int | None = 
 
 async def stream_events(
     *, sessionmaker: async_sessionmaker[AsyncSession], rollout_id: str, consumer: str, batch_size: int,
-    visibility_timeout_s: float, cursor: int | None = None, redeliver: bool = False,
+    visibility_timeout_s: float, cursor: int | None = None, redeliver: bool = False, include_failed: bool = False,
     is_disconnected: Callable[[], Awaitable[bool]] | None = None, on_reopen: Callable[[], None] | None = None,
 ) -> AsyncIterator[str]:
     """Yield the rollout's stream for ``consumer`` as server-sent events until it is done.
@@ -333,7 +355,8 @@ async def stream_events(
     the stream breaks, and a ``: heartbeat`` comment every :data:`HEARTBEAT_S` seconds while idle. Each batch is
     leased like a pull; a batch lost with the connection is redelivered when its lease
     expires, or at once on a reconnect whose cursor (Last-Event-ID) is before it.
-    ``on_reopen`` is called when a stale entry's rerun reopened the rollout.
+    ``on_reopen`` is called when a stale entry's rerun reopened the rollout; ``include_failed``
+    delivers failed entries too, masked (see :func:`deliver`).
     """
     async with sessionmaker() as db_session:
         await rewind(db_session=db_session, rollout_id=rollout_id, consumer=consumer, cursor=cursor,
@@ -348,7 +371,8 @@ async def stream_events(
         try:
             async with sessionmaker() as db_session:
                 delivery = await deliver(db_session=db_session, rollout_id=rollout_id, consumer=consumer,
-                                         max_episodes=batch_size, visibility_timeout_s=visibility_timeout_s)
+                                         max_episodes=batch_size, visibility_timeout_s=visibility_timeout_s,
+                                         include_failed=include_failed)
         except Exception:
             # Headers are sent: the error becomes an event, and the client reconnects with its cursor.
             logger.exception("rollout %s: stream of consumer %s failed", rollout_id, consumer)

@@ -14,12 +14,13 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
     true,
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
 from gateway.db import Base, utcnow
-from workers.protocol import EpisodeStatus
+from workers.protocol import EpisodeOutcome, EpisodeStatus
 
 
 class RolloutStatus(str, enum.Enum):
@@ -41,6 +42,9 @@ USABLE_EPISODE_STATUSES = frozenset({EpisodeStatus.COMPLETED, EpisodeStatus.TRUN
 ACTIVE_EPISODE_STATUSES = frozenset({EpisodeStatus.QUEUED, EpisodeStatus.RUNNING})
 #: Rollout states in which no new episode starts.
 FINAL_ROLLOUT_STATUSES = frozenset({RolloutStatus.COMPLETED, RolloutStatus.CANCELLED, RolloutStatus.FAILED})
+#: Outcomes of failed episodes that are nobody's verdict on the agent: retried while attempts remain, and
+#: streamed (masked) to consumers that ask for failed episodes.
+FAILURE_OUTCOMES = frozenset({EpisodeOutcome.INFRA, EpisodeOutcome.VERIFIER_ERROR, EpisodeOutcome.POLICY_ERROR})
 
 
 class GroupMode(str, enum.Enum):
@@ -57,6 +61,14 @@ class StalenessAction(str, enum.Enum):
 
     RERUN = "rerun"
     DEAD_LETTER = "dead_letter"
+
+
+class DeliveryInclude(str, enum.Enum):
+    """What a consumer asks to receive besides training data (``include=`` on pull and stream)."""
+
+    FAILED = "failed"
+    """Failed episodes with a typed outcome (infra, verifier_error, policy_error), masked: reward None and
+    loss_mask all zeros, with their ``outcome`` and ``error``."""
 
 
 class DeliveryState(str, enum.Enum):
@@ -98,6 +110,8 @@ class Rollout(Base):
     max_attempts: Mapped[int] = mapped_column(default=2)
     group_mode: Mapped[GroupMode] = mapped_column(enum_column(GroupMode))
     min_group_size: Mapped[int | None] = mapped_column(default=None)
+    group_spare: Mapped[int] = mapped_column(default=0, server_default="0")
+    """Extra samples each group runs: the first ``group_size`` usable ones win, the rest are not streamed."""
     priority: Mapped[int] = mapped_column(default=0)
     concurrency: Mapped[int] = mapped_column(default=8)
     branching: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
@@ -128,6 +142,10 @@ class EpisodeGroup(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
     released_at: Mapped[datetime | None] = mapped_column(default=None)
+    partial: Mapped[bool] = mapped_column(default=False, server_default=false())
+    """Released with fewer usable samples than asked for (``group_size``; ``min_group_size`` in early mode)."""
+    partial_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    """Why a partial group is short: how many samples failed for good, and each one's outcome and error."""
 
 
 class DeliveryConsumer(Base):

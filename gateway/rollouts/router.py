@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
@@ -14,7 +15,7 @@ from gateway.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from gateway.policies.service import check_inference_servers
 from gateway.rollouts import delivery, service
 from gateway.rollouts.executor import Executor
-from gateway.rollouts.models import Rollout, RolloutStatus
+from gateway.rollouts.models import DeliveryInclude, Rollout, RolloutStatus
 from gateway.rollouts.schemas import (
     CONSUMER_PATTERN,
     MAX_SEQ,
@@ -52,10 +53,10 @@ async def _read_all(db_session: DbSession, rows: list[Rollout]) -> list[RolloutR
             id=r.id, status=r.status, group_size=r.group_size, task_ids=list(r.task_ids or []), policy=r.policy,
             agent=r.agent, limits=r.limits, max_staleness=r.max_staleness, staleness_action=r.staleness_action,
             max_attempts=r.max_attempts, group_mode=GroupModeSpec(mode=r.group_mode, min_group_size=r.min_group_size),
-            priority=r.priority, concurrency=r.concurrency, branching=r.branching, lazy_fork=r.lazy_fork,
-            counts=stats[r.id][0],
-            progress=RolloutProgress(**stats[r.id][1]), created_at=r.created_at, started_at=r.started_at,
-            finished_at=r.finished_at, error=r.error,
+            group_spare=r.group_spare, priority=r.priority, concurrency=r.concurrency, branching=r.branching,
+            lazy_fork=r.lazy_fork, counts=stats[r.id].counts, progress=RolloutProgress(**stats[r.id].progress),
+            failures=stats[r.id].failures, partial_groups=stats[r.id].partial_groups, created_at=r.created_at,
+            started_at=r.started_at, finished_at=r.finished_at, error=r.error,
         )
         for r in rows
     ]
@@ -112,7 +113,7 @@ async def pull(rollout_id: str, body: PullRequest, request: Request, db_session:
     result = await delivery.pull_episodes(
         db_session=db_session, rollout_id=rollout_id, consumer=body.consumer, max_episodes=body.max_episodes,
         wait_s=body.wait_s, visibility_timeout_s=body.visibility_timeout_s, cursor=body.cursor,
-        redeliver=body.redeliver,
+        redeliver=body.redeliver, include_failed=DeliveryInclude.FAILED in body.include,
     )
     if result.reopened:  # stale entries were rerun: the rollout has queued episodes again
         _submit(request, rollout_id)
@@ -141,6 +142,9 @@ async def stream(
     visibility_timeout_s: float = Query(60.0, ge=0.0, le=43_200.0),
     cursor: int | None = Query(None, ge=0, le=MAX_SEQ, description="Last seq received; overrides Last-Event-ID."),
     redeliver: bool = Query(False, description="Redeliver every pending (unacked) episode at once."),
+    include: Annotated[list[DeliveryInclude] | None, Query(
+        description="failed: also deliver the failed episodes, masked (reward null, loss_mask all zeros, with outcome "
+                    "and error).")] = None,
     last_event_id: str | None = Header(None),
 ):
     """Stream finished episodes as server-sent events (reconnect with Last-Event-ID or ?cursor=)."""
@@ -158,7 +162,8 @@ async def stream(
     events = delivery.stream_events(
         sessionmaker=request.app.state.sessionmaker, rollout_id=rollout_id, consumer=consumer,
         batch_size=batch_size, visibility_timeout_s=visibility_timeout_s, cursor=cursor, redeliver=redeliver,
-        is_disconnected=request.is_disconnected, on_reopen=lambda: _submit(request, rollout_id),
+        include_failed=DeliveryInclude.FAILED in (include or ()), is_disconnected=request.is_disconnected,
+        on_reopen=lambda: _submit(request, rollout_id),
     )
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

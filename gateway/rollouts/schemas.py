@@ -14,7 +14,7 @@ from pydantic import (
 )
 
 from gateway.episodes.schemas import EpisodeRead, EpisodeTraining
-from gateway.rollouts.models import GroupMode, RolloutStatus, StalenessAction
+from gateway.rollouts.models import DeliveryInclude, GroupMode, RolloutStatus, StalenessAction
 from workers.protocol import (
     AgentSpec,
     BranchingSpec,
@@ -70,8 +70,15 @@ class RolloutCreate(BaseModel):
     max_staleness: int | None = Field(default=None, ge=0, le=MAX_SEQ,
                                       description="Most versions an episode's oldest turn may lag the policy.")
     staleness_action: StalenessAction = StalenessAction.DEAD_LETTER
-    max_attempts: int = Field(default=2, ge=1, le=20, description="Attempts per sample (stale reruns, restarts).")
+    max_attempts: int = Field(default=2, ge=1, le=20, description="Attempts per sample: a stale rerun, or a "
+                              "failure that is not the agent's (infra, verifier_error, policy_error) on a fresh "
+                              "sandbox.")
     group_mode: GroupModeSpec = Field(default_factory=GroupModeSpec)
+    group_spare: int = Field(
+        default=0, ge=0, le=1024, description="Extra samples per group: each group runs group_size + group_spare "
+        "samples and the first group_size usable ones to finish are delivered; then its queued samples are "
+        "cancelled and the results of those still running are kept but not streamed. A group is partial only if "
+        "fewer than group_size usable ones remain after every attempt. Not with branching.")
     priority: int = Field(default=0, ge=-1000, le=1000)
     concurrency: int = Field(default=8, ge=1, le=4096)
     branching: BranchingSpec | None = Field(
@@ -97,6 +104,8 @@ class RolloutCreate(BaseModel):
         elif mode.min_group_size is not None:
             raise ValueError("group_mode.min_group_size only applies to group_mode.mode early")
         if self.branching is not None:
+            if self.group_spare:
+                raise ValueError("group_spare is not supported with branching (a group is one tree)")
             if mode.mode == GroupMode.EARLY:
                 raise ValueError("group_mode early is not supported with branching (a group is one tree)")
             if self.staleness_action == StalenessAction.RERUN:
@@ -111,15 +120,15 @@ class RolloutCreate(BaseModel):
 
 
 class RolloutProgress(BaseModel):
-    """How far a rollout has come, in samples (tasks x group_size)."""
+    """How far a rollout has come, in samples (tasks x (group_size + group_spare))."""
 
     total: int
     finished: int
     """Samples whose last attempt has ended."""
     streamed: int
-    """Episodes that entered the delivery stream."""
+    """Episodes that entered the delivery stream as training data."""
     delivered: int
-    """Streamed episodes acknowledged by at least one consumer."""
+    """Streamed training episodes acknowledged by at least one consumer."""
 
 
 class RolloutRead(BaseModel):
@@ -136,6 +145,7 @@ class RolloutRead(BaseModel):
     staleness_action: StalenessAction
     max_attempts: int
     group_mode: GroupModeSpec
+    group_spare: int = 0
     priority: int
     concurrency: int
     branching: dict[str, Any] | None
@@ -143,6 +153,13 @@ class RolloutRead(BaseModel):
     counts: dict[str, int]
     """Episode rows by status (every attempt counts)."""
     progress: RolloutProgress
+    failures: dict[str, int] = {}
+    """Failed episode rows (every attempt counts) by outcome: ``infra``, ``verifier_error``, ``policy_error``.
+    Failures of no outcome (cancelled, refused before running) are only in ``counts``."""
+    partial_groups: int = 0
+    """Groups released with fewer usable samples than asked for, each flagged ``partial`` with its reason
+    (``group_partial``/``group_reason`` on its delivered episodes). A ``completed`` rollout with partial groups
+    did not get every sample it asked for."""
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -169,10 +186,20 @@ class PullRequest(BaseModel):
     cursor: int | None = Field(default=None, ge=0, le=MAX_SEQ, description="Last seq received (after a crash): pending "
                                "episodes after it are redelivered at once.")
     redeliver: bool = Field(default=False, description="Redeliver every pending (unacked) episode at once.")
+    include: list[DeliveryInclude] = Field(
+        default_factory=list, max_length=len(DeliveryInclude),
+        description="Also deliver these: failed, the failed episodes (infra, verifier_error, policy_error) masked "
+        "(reward null, loss_mask all zeros, with outcome and error). Use the same include on every call of a "
+        "consumer: entries a call passes over are not offered to it again.")
 
 
 class DeliveredEpisode(EpisodeTraining):
-    """An episode's training view as the stream delivers it."""
+    """An episode's training view as the stream delivers it, with its group's verdict.
+
+    ``group_partial`` says the episode's group was released with fewer usable samples than it
+    asked for (``group_reason`` says which failed and why); a trainer normalizing rewards per
+    group sees a short group rather than a silently smaller one.
+    """
 
     seq: int
     rollout_id: str
@@ -180,6 +207,10 @@ class DeliveredEpisode(EpisodeTraining):
     sample_index: int
     attempt: int
     delivery_count: int
+    group_partial: bool = False
+    """The group was released short of usable samples (see ``group_reason``)."""
+    group_reason: str | None = None
+    """Why a partial group is short: how many samples failed for good, with each one's outcome and error."""
 
 
 class PullResponse(BaseModel):

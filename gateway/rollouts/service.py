@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete, func, insert, select
@@ -20,6 +21,7 @@ from gateway.policies.service import ensure_policy
 from gateway.rollouts.events import rollout_events
 from gateway.rollouts.models import (
     ACTIVE_EPISODE_STATUSES,
+    FAILURE_OUTCOMES,
     DeliveryConsumer,
     DeliveryLease,
     DeliveryState,
@@ -102,19 +104,22 @@ async def _resolve_tasks(db_session: AsyncSession, selection: TaskSelection) -> 
 
 
 async def create_rollout(*, db_session: AsyncSession, spec: RolloutCreate) -> Rollout:
-    """Create a rollout and its episodes: one group per task, ``group_size`` queued episodes (attempt 1) each.
+    """Create a rollout and its episodes: one group per task, ``group_size + group_spare`` queued episodes each.
 
     Raises:
         InvalidRequestError: a task id or name is unknown or repeated (code ``unknown_tasks``
             names them), or the rollout asks for too many episodes.
     """
     tasks = await _resolve_tasks(db_session, spec.tasks)
-    total = len(tasks) * spec.group_size
+    samples = spec.group_size + spec.group_spare
+    total = len(tasks) * samples
     per_tree = spec.branching.tree_episodes if spec.branching is not None else 1
     if total * per_tree > MAX_EPISODES_PER_ROLLOUT:
         trees = f" x up to {per_tree} per tree" if spec.branching is not None else ""
+        spare = f" + group_spare {spec.group_spare}" if spec.group_spare else ""
         raise InvalidRequestError(f"The rollout asks for {total * per_tree} episodes ({len(tasks)} tasks x "
-                                  f"group_size {spec.group_size}{trees}); the limit is {MAX_EPISODES_PER_ROLLOUT}.")
+                                  f"group_size {spec.group_size}{spare}{trees}); the limit is "
+                                  f"{MAX_EPISODES_PER_ROLLOUT}.")
     await ensure_policy(db_session=db_session, name=spec.policy.name)
     register_secret(spec.policy.secret_api_key())
     now = utcnow()
@@ -124,7 +129,8 @@ async def create_rollout(*, db_session: AsyncSession, spec: RolloutCreate) -> Ro
         policy_api_key=spec.policy.secret_api_key(),
         agent=spec.agent.model_dump(mode="json"), limits=spec.limits.model_dump(mode="json"),
         max_staleness=spec.max_staleness, staleness_action=spec.staleness_action, max_attempts=spec.max_attempts,
-        group_mode=spec.group_mode.mode, min_group_size=spec.group_mode.min_group_size, priority=spec.priority,
+        group_mode=spec.group_mode.mode, min_group_size=spec.group_mode.min_group_size,
+        group_spare=spec.group_spare, priority=spec.priority,
         concurrency=spec.concurrency, last_seq=0, created_at=now, updated_at=now,
         branching=spec.branching.stored() if spec.branching is not None else None,
         lazy_fork=spec.lazy_fork,
@@ -135,7 +141,7 @@ async def create_rollout(*, db_session: AsyncSession, spec: RolloutCreate) -> Ro
     branching = spec.branching is not None
     for task_index, (task_id, _) in enumerate(tasks):
         group_id = ""
-        for sample_index in range(spec.group_size):
+        for sample_index in range(samples):
             if not group_id or branching:  # a branching rollout's group is one tree (one sample)
                 group_id = new_id("grp")
                 groups.append({"id": group_id, "rollout_id": rollout.id, "task_id": task_id, "created_at": now,
@@ -154,7 +160,7 @@ async def create_rollout(*, db_session: AsyncSession, spec: RolloutCreate) -> Ro
         await db_session.execute(insert(Episode), episodes[start:start + INSERT_BATCH])
     await db_session.commit()
     logger.info("rollout %s created: %d task(s) x %d = %d episode(s), policy %s (%s)", rollout.id, len(tasks),
-                spec.group_size, total, spec.policy.name, spec.policy.api)
+                samples, total, spec.policy.name, spec.policy.api)
     return rollout
 
 
@@ -185,21 +191,42 @@ async def list_active_rollouts(*, db_session: AsyncSession) -> list[Rollout]:
     return list((await db_session.scalars(stmt)).all())
 
 
-async def rollout_stats(
-    *, db_session: AsyncSession, rollouts: Sequence[Rollout]
-) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
-    """Return, per rollout id, (episode counts by status, progress {total, finished, streamed, delivered})."""
+@dataclass(frozen=True)
+class RolloutStats:
+    """What a rollout's episodes and groups add up to (see :class:`~gateway.rollouts.schemas.RolloutRead`)."""
+
+    counts: dict[str, int]
+    """Episode rows by status."""
+    progress: dict[str, int]
+    """Samples in total, finished, streamed and delivered."""
+    failures: dict[str, int]
+    """Failed episode rows by failure outcome."""
+    partial_groups: int
+    """Groups released short of usable samples."""
+
+
+async def rollout_stats(*, db_session: AsyncSession, rollouts: Sequence[Rollout]) -> dict[str, RolloutStats]:
+    """Return the stats of each rollout by id: episode counts, progress, failures by outcome, partial groups."""
     ids = [r.id for r in rollouts]
     counts: dict[str, dict[str, int]] = {i: {} for i in ids}
+    failures: dict[str, dict[str, int]] = {i: {} for i in ids}
     active_samples: dict[str, int] = dict.fromkeys(ids, 0)
     streamed: dict[str, int] = dict.fromkeys(ids, 0)
     delivered: dict[str, int] = dict.fromkeys(ids, 0)
+    partial: dict[str, int] = dict.fromkeys(ids, 0)
+    training = Episode.status != EpisodeStatus.FAILED  # failed episodes are streamed only to those asking, masked
     for start in range(0, len(ids), CHUNK):
         chunk = ids[start:start + CHUNK]
         for rollout_id, status, n in (await db_session.execute(
                 select(Episode.rollout_id, Episode.status, func.count())
                 .where(Episode.rollout_id.in_(chunk)).group_by(Episode.rollout_id, Episode.status))).all():
             counts[rollout_id][EpisodeStatus(status).value] = int(n)
+        for rollout_id, outcome, n in (await db_session.execute(
+                select(Episode.rollout_id, Episode.outcome, func.count())
+                .where(Episode.rollout_id.in_(chunk), Episode.status == EpisodeStatus.FAILED,
+                       Episode.outcome.in_(list(FAILURE_OUTCOMES)))
+                .group_by(Episode.rollout_id, Episode.outcome))).all():
+            failures[rollout_id][outcome.value] = int(n)
         # A sample (a tree in a branching rollout) is unfinished while any of its episodes is queued or running.
         samples = (select(Episode.rollout_id, Episode.group_id, Episode.sample_index)
                    .where(Episode.rollout_id.in_(chunk), Episode.status.in_(list(ACTIVE_EPISODE_STATUSES)))
@@ -209,19 +236,27 @@ async def rollout_stats(
             active_samples[rollout_id] = int(n)
         for rollout_id, n in (await db_session.execute(
                 select(Episode.rollout_id, func.count())
-                .where(Episode.rollout_id.in_(chunk), Episode.seq.is_not(None)).group_by(Episode.rollout_id))).all():
+                .where(Episode.rollout_id.in_(chunk), Episode.seq.is_not(None), training)
+                .group_by(Episode.rollout_id))).all():
             streamed[rollout_id] = int(n)
         for rollout_id, n in (await db_session.execute(
                 select(DeliveryLease.rollout_id, func.count(func.distinct(DeliveryLease.episode_id)))
-                .where(DeliveryLease.rollout_id.in_(chunk), DeliveryLease.state == DeliveryState.ACKED)
+                .join(Episode, Episode.id == DeliveryLease.episode_id)
+                .where(DeliveryLease.rollout_id.in_(chunk), DeliveryLease.state == DeliveryState.ACKED, training)
                 .group_by(DeliveryLease.rollout_id))).all():
             delivered[rollout_id] = int(n)
-    stats: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
+        for rollout_id, n in (await db_session.execute(
+                select(EpisodeGroup.rollout_id, func.count())
+                .where(EpisodeGroup.rollout_id.in_(chunk), EpisodeGroup.partial.is_(True))
+                .group_by(EpisodeGroup.rollout_id))).all():
+            partial[rollout_id] = int(n)
+    stats: dict[str, RolloutStats] = {}
     for rollout in rollouts:
-        total = len(rollout.task_ids or []) * rollout.group_size
+        total = len(rollout.task_ids or []) * (rollout.group_size + rollout.group_spare)
         progress = {"total": total, "finished": total - active_samples[rollout.id], "streamed": streamed[rollout.id],
                     "delivered": delivered[rollout.id]}
-        stats[rollout.id] = (counts[rollout.id], progress)
+        stats[rollout.id] = RolloutStats(counts=counts[rollout.id], progress=progress, failures=failures[rollout.id],
+                                         partial_groups=partial[rollout.id])
     return stats
 
 

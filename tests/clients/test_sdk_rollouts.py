@@ -197,6 +197,35 @@ async def test_pull_can_ask_for_redelivery_after_a_crash(twin):
     assert episode.logprobs == [-0.1, None], "a token the server gave no logprob for stays None"
 
 
+async def test_failed_episodes_are_asked_for_and_arrive_masked_with_their_group_verdict(twin):
+    masked = {**training_json(2, seq=2), "loss_mask": [0, 0, 0, 0], "logprobs": [], "reward": None,
+              "status": "failed", "outcome": "verifier_error", "error": "verifier_error: the verifier timed out",
+              "group_partial": True, "group_reason": "1 of 2 samples failed for good: verifier_error: ..."}
+    usable = {**training_json(1, seq=1), "outcome": "reward", "group_partial": True,
+              "group_reason": masked["group_reason"]}
+    twin.respond(httpx.Response(200, json={"episodes": [usable, masked], "cursor": 2, "done": False}))
+    batch = await twin.call(twin.client.rollouts.pull, "r1", consumer="c", include_failed=True)
+    assert twin.body() == {"consumer": "c", "max_episodes": 16, "wait_s": 0.0, "include": ["failed"]}
+    good, bad = batch
+    assert good.outcome is forkyard.EpisodeOutcome.REWARD and not good.masked and good.group_partial
+    assert bad.outcome is forkyard.EpisodeOutcome.VERIFIER_ERROR and bad.masked and bad.reward is None
+    assert bad.error == "verifier_error: the verifier timed out" and bad.group_reason.startswith("1 of 2 samples")
+    with pytest.raises(ValueError, match="no reward"):
+        batch.advantages()  # a masked failure is never trained on by accident
+
+    twin.respond(httpx.Response(200, text="event: end\ndata: {}\n\n", headers={"content-type": "text/event-stream"}))
+    assert await twin.collect(twin.client.rollouts.stream("r1", consumer="c", include_failed=True)) == []
+    assert dict(twin.requests[-1].url.params) == {"consumer": "c", "include": "failed"}
+    twin.respond(httpx.Response(201, json=rollout_json(group_spare=1, partial_groups=2,
+                                                       failures={"infra": 3, "policy_error": 1})))
+    rollout = await twin.call(twin.client.rollouts.create, tasks=["t1"], group_size=4, policy=ORACLE, group_spare=1)
+    assert twin.body()["group_spare"] == 1
+    assert (rollout.group_spare, rollout.partial_groups, rollout.failures) == (1, 2, {"infra": 3, "policy_error": 1})
+    twin.respond(httpx.Response(200, json={"items": [{**episode_info_json(1, "failed"), "outcome": "infra"}]}))
+    [info] = await twin.collect(twin.client.episodes.list(rollout_id="r1"))
+    assert info.outcome is forkyard.EpisodeOutcome.INFRA
+
+
 async def test_batch_ack_acks_exactly_its_episodes_for_its_consumer(twin):
     twin.respond(
         httpx.Response(200, json={"episodes": [training_json(1), training_json(2)], "cursor": 2, "done": False}),
@@ -322,8 +351,8 @@ def test_create_body_holds_only_the_options_given():
 
     options = _create_request(
         tasks=["t1"], group_size=2, policy=ORACLE, agent=None, limits=None, max_staleness=None,
-        staleness_action="rerun", max_attempts=3, group_mode="complete", priority=None, concurrency=None,
-        branching=None, lazy_fork=None, extra_body=None,
+        staleness_action="rerun", max_attempts=3, group_mode="complete", group_spare=None, priority=None,
+        concurrency=None, branching=None, lazy_fork=None, extra_body=None,
     )
     assert json.loads(json.dumps(options.json)) == {
         "tasks": {"ids": ["t1"]}, "group_size": 2, "policy": ORACLE,
@@ -331,7 +360,7 @@ def test_create_body_holds_only_the_options_given():
     }
     tree = _create_request(
         tasks=["t1"], group_size=1, policy=ORACLE, agent=None, limits=None, max_staleness=None,
-        staleness_action=None, max_attempts=None, group_mode=None, priority=None, concurrency=None,
-        branching={"at_turns": [2], "fanout": 4}, lazy_fork=False, extra_body=None,
+        staleness_action=None, max_attempts=None, group_mode=None, group_spare=None, priority=None,
+        concurrency=None, branching={"at_turns": [2], "fanout": 4}, lazy_fork=False, extra_body=None,
     )
     assert tree.json["branching"] == {"at_turns": [2], "fanout": 4} and tree.json["lazy_fork"] is False

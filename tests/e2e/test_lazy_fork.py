@@ -95,12 +95,14 @@ def test_a_group_whose_image_cannot_build_fails_its_episodes(client, tmp_path):
     dockerfile.write_text(dockerfile.read_text() + "RUN echo 'this build fails' && exit 3\n")
     (task,) = client.tasks.import_dir(root)
     policy = {"name": "lazy-broken", "api": "scripted", "actions": [*SHARED, *AFTER]}
-    rollout = client.rollouts.create(tasks=[task.id], group_size=3, policy=policy, agent={"max_turns": 4})
+    rollout = client.rollouts.create(tasks=[task.id], group_size=3, policy=policy, agent={"max_turns": 4},
+                                     max_attempts=1)  # an infra failure is retried while attempts remain
     final = wait_done(client, rollout.id, timeout_s=120)  # it used to never end: the members stayed running
     assert final.progress.finished == final.progress.total == 3
+    assert final.partial_groups == 1 and final.failures == {"infra": 3}  # completed, visibly short
     episodes = list(client.episodes.list(rollout_id=rollout.id))
     assert len(episodes) == 3 and {e.status for e in episodes} == {"failed"}
     for episode in episodes:
         detail = client.episodes.get(episode.id)
         assert "RUN failed with exit code 3" in detail.error
-        assert detail.info["infra"] is True  # the image's failure, not the policy's
+        assert detail.info["infra"] is True and detail.outcome == "infra"  # the image's failure, not the policy's

@@ -103,9 +103,12 @@ def make_step(index: int, rng: random.Random, *, version: int | None, first: boo
 async def play_episode(
     sessionmaker: async_sessionmaker[AsyncSession], episode_id: str, *, status: str = "completed",
     termination: str | None = "submitted", reward: float | None = 1.0, versions: Sequence[int] = (0,),
-    error: str | None = None, current_version: int | None = None, seed: int = 0,
+    error: str | None = None, current_version: int | None = None, seed: int = 0, info: dict[str, Any] | None = None,
 ) -> tuple[Episode, list[dict[str, Any]]]:
-    """Run an episode the way the runner reports one: start, one step per version, finish."""
+    """Run an episode the way the runner reports one: start, one step per version, finish.
+
+    ``info`` is added to the result's info (e.g. the runner's ``failure_info`` of a failed episode).
+    """
     rng = random.Random(seed)
     steps = [make_step(i, rng, version=v, first=i == 0) for i, v in enumerate(versions)]
     async with sessionmaker() as db:
@@ -115,6 +118,6 @@ async def play_episode(
         episode = await episodes_service.finish_episode(
             db_session=db, episode_id=episode_id, status=status, termination=termination, reward=reward,
             error=error, messages=[{"role": "user", "content": "do it"}], timings={"total_s": 0.1},
-            weight_versions=list(versions), info={"seed": seed}, current_version=current_version,
+            weight_versions=list(versions), info={"seed": seed, **(info or {})}, current_version=current_version,
         )
     return episode, steps

@@ -14,7 +14,9 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+import forkyard
 from gateway.app import create_app
+from gateway.episodes import service as episodes_service
 from gateway.rollouts import delivery
 from tests.fleet import postgres_database
 from tests.gateway.conftest import API_KEY, FakeRuntime, asgi_client, assert_error, make_settings
@@ -27,6 +29,8 @@ from tests.gateway.rollout_helpers import (
     recording_dispatcher,
 )
 from tests.live import free_port
+from workers.protocol import EpisodeOutcome
+from workers.runner import failure_info
 
 
 @pytest.fixture(autouse=True)
@@ -212,6 +216,139 @@ async def test_early_mode_streams_min_group_size_and_stores_the_rest(gateway):
     assert (await pull(client, rid))["done"] is True
     body = (await client.get(f"/v1/rollouts/{rid}")).json()
     assert body["status"] == "completed" and body["progress"]["streamed"] == 3
+
+
+VERIFIER_ERROR = {**failure_info(EpisodeOutcome.VERIFIER_ERROR), "verifier_error": "the verifier timed out after 30s"}
+
+
+async def test_a_verifier_error_is_retried_never_trained_on_and_delivered_masked_on_request(gateway):
+    client, sessionmaker = gateway.client, gateway.app.state.sessionmaker
+    task_ids = await import_tasks(client, ["a"])
+    rid = (await create_rollout(client, task_ids, group_size=1, max_attempts=2))["id"]
+    (first,) = await episodes_of(sessionmaker, rid)
+    await play_episode(sessionmaker, first.id, status="failed", termination="submitted", reward=None,
+                       error="verifier_error: the verifier timed out after 30s", info=VERIFIER_ERROR, versions=(0, 0))
+    rows = await episodes_of(sessionmaker, rid)
+    assert [(r.attempt, r.status.value, r.outcome and r.outcome.value) for r in rows] == [
+        (1, "failed", "verifier_error"), (2, "queued", None)]  # a fresh attempt, never a reward of 0
+    assert rows[0].dead_letter_reason is None and rows[1].info == {"previous": first.id}
+    assert (await pull(client, rid))["episodes"] == []
+    assert (await client.get(f"/v1/rollouts/{rid}")).json()["status"] == "running"
+
+    await play_episode(sessionmaker, rows[1].id, status="failed", termination="timeout", reward=None,
+                       error="verifier_error: no reward file", info=VERIFIER_ERROR, seed=1)
+    assert len(await episodes_of(sessionmaker, rid)) == 2  # max_attempts reached
+    trainer = await pull(client, rid)
+    assert trainer == {"episodes": [], "cursor": 2, "done": True}, "a failure is never training data"
+
+    masked = await pull(client, rid, consumer="inspector", include=["failed"], max_episodes=10)
+    assert ids_of(masked) == [first.id, rows[1].id] and masked["done"] is False
+    for entry, error in zip(masked["episodes"], ("timed out after 30s", "no reward file"), strict=True):
+        assert entry["outcome"] == "verifier_error" and error in entry["error"] and entry["status"] == "failed"
+        assert entry["reward"] is None and entry["logprobs"] == []
+        assert entry["input_ids"] and entry["loss_mask"] == [0] * len(entry["input_ids"])
+        assert entry["group_partial"] is True and "1 of 1 samples failed for good: verifier_error" in entry[
+            "group_reason"]
+    training = (await client.get(f"/v1/episodes/{first.id}/training")).json()
+    assert {k: masked["episodes"][0][k] for k in training} == training
+    assert await ack(client, rid, ids_of(masked), consumer="inspector") == 2
+    assert (await pull(client, rid, consumer="inspector", include=["failed"]))["done"] is True
+
+    body = (await client.get(f"/v1/rollouts/{rid}")).json()
+    assert body["status"] == "completed" and body["partial_groups"] == 1
+    assert body["failures"] == {"verifier_error": 2} and body["counts"] == {"failed": 2}
+    assert body["progress"] == {"total": 1, "finished": 1, "streamed": 0, "delivered": 0}
+    (letter,) = (await client.get(f"/v1/rollouts/{rid}/dead_letters")).json()["items"]
+    assert letter["id"] == rows[1].id and letter["outcome"] == "verifier_error"
+    assert letter["reason"] == "verifier_error: no reward file; no attempts left (max_attempts 2)"
+    assert_error(await client.post(f"/v1/rollouts/{rid}/pull", json={"consumer": "c", "include": ["stale"]}), 422,
+                 "validation_error")
+
+
+async def test_an_infra_failure_is_retried_and_a_short_group_arrives_flagged_partial(gateway):
+    client, sessionmaker = gateway.client, gateway.app.state.sessionmaker
+    task_ids = await import_tasks(client, ["a", "b"])
+    rid = (await create_rollout(client, task_ids, group_size=2, max_attempts=2))["id"]
+    a0, a1, b0, b1 = await episodes_of(sessionmaker, rid)
+    await play_episode(sessionmaker, a0.id)
+    # A sandbox that died under the episode (not a dead node): the runner marks it infra.
+    await play_episode(sessionmaker, a1.id, status="failed", termination="error", reward=None,
+                       error="SandboxBackendError: the engine stopped answering", info=failure_info(EpisodeOutcome.INFRA))
+    (retry,) = [r for r in await episodes_of(sessionmaker, rid) if r.attempt == 2]
+    assert (retry.group_id, retry.sample_index, retry.status.value) == (a1.group_id, 1, "queued")
+    # Group b: the retry succeeds, and the group is delivered whole.
+    await play_episode(sessionmaker, b0.id)
+    await play_episode(sessionmaker, b1.id, status="failed", termination="error", reward=None,
+                       error="ImageBuildError: RUN exited 7", info={"infra": True})  # a path with no typed outcome
+    (b_retry,) = [r for r in await episodes_of(sessionmaker, rid) if r.attempt == 2 and r.group_id == b1.group_id]
+    await play_episode(sessionmaker, b_retry.id, reward=0.0)
+    whole = await pull(client, rid, max_episodes=10)
+    assert ids_of(whole) == [b0.id, b_retry.id] and whole["episodes"][1]["reward"] == 0.0
+    assert {(x["group_partial"], x["group_reason"], x["outcome"]) for x in whole["episodes"]} == {
+        (False, None, "reward")}
+
+    await play_episode(sessionmaker, retry.id, status="failed", termination="error", reward=None,
+                       error="SandboxBackendError: the engine stopped answering again",
+                       info=failure_info(EpisodeOutcome.INFRA))
+    short = await pull(client, rid, max_episodes=10)
+    assert ids_of(short) == [a0.id], "the failed sample is never a reward"
+    (entry,) = short["episodes"]
+    assert entry["group_partial"] is True and entry["group_reason"] == (
+        "1 of 2 samples failed for good: infra: SandboxBackendError: the engine stopped answering again")
+    body = (await client.get(f"/v1/rollouts/{rid}")).json()
+    assert body["status"] == "completed" and body["partial_groups"] == 1
+    assert body["failures"] == {"infra": 3} and body["counts"] == {"completed": 3, "failed": 3}
+    detail = (await client.get(f"/v1/episodes/{retry.id}")).json()
+    assert detail["outcome"] == "infra" and "no attempts left" in detail["dead_letter_reason"]
+    listed = (await client.get("/v1/episodes", params={"rollout_id": rid})).json()["items"]
+    assert sorted((x["outcome"], x["attempt"]) for x in listed) == [
+        ("infra", 1), ("infra", 1), ("infra", 2), ("reward", 1), ("reward", 1), ("reward", 2)]
+
+
+async def test_group_spare_delivers_the_first_group_size_usable_samples(gateway):
+    client, sessionmaker = gateway.client, gateway.app.state.sessionmaker
+    task_ids = await import_tasks(client, ["a", "b", "c"])
+    created = await create_rollout(client, task_ids, group_size=2, group_spare=1, max_attempts=1)
+    rid = created["id"]
+    assert created["group_spare"] == 1 and created["progress"]["total"] == 9
+    rows = await episodes_of(sessionmaker, rid)
+    a, b, c = rows[:3], rows[3:6], rows[6:]
+    assert {len({e.group_id for e in g}) for g in (a, b, c)} == {1}  # group_size + group_spare samples per group
+
+    # Group a: a sample fails for good, the spare covers it: whole, not partial.
+    await play_episode(sessionmaker, a[0].id)
+    await play_episode(sessionmaker, a[1].id, status="failed", termination="error", reward=None,
+                       error="SandboxBackendError: gone", info=failure_info(EpisodeOutcome.INFRA))
+    await play_episode(sessionmaker, a[2].id, reward=0.0)
+    # Group b: the first two to finish win; the one still running is kept, not streamed.
+    async with sessionmaker() as db:
+        assert await episodes_service.mark_episode_running(db_session=db, episode_id=b[0].id, node="test-node")
+    await play_episode(sessionmaker, b[2].id)
+    await play_episode(sessionmaker, b[1].id)
+    # Group c: two usable samples; the queued spare is cancelled, never run.
+    await play_episode(sessionmaker, c[0].id)
+    await play_episode(sessionmaker, c[1].id)
+    async with sessionmaker() as db:
+        assert await episodes_service.mark_episode_running(db_session=db, episode_id=c[2].id) is False
+    batch = await pull(client, rid, max_episodes=10)
+    assert ids_of(batch) == [a[0].id, a[2].id, b[1].id, b[2].id, c[0].id, c[1].id]
+    assert not any(x["group_partial"] for x in batch["episodes"])
+    async with sessionmaker() as db:  # the sample still running when its group was released ends
+        await episodes_service.finish_episode(db_session=db, episode_id=b[0].id, status="completed",
+                                              termination="submitted", reward=1.0)
+    late = (await client.get(f"/v1/episodes/{b[0].id}")).json()
+    assert late["status"] == "completed" and late["seq"] is None and late["dead_letter_reason"] is None
+    spare = (await client.get(f"/v1/episodes/{c[2].id}")).json()
+    assert (spare["status"], spare["termination"], spare["outcome"], spare["num_turns"]) == (
+        "failed", "cancelled", None, 0)
+    assert "already has 2 usable samples" in spare["dead_letter_reason"]
+    assert ids_of(await pull(client, rid, max_episodes=10)) == []
+    body = (await client.get(f"/v1/rollouts/{rid}")).json()
+    assert body["status"] == "completed" and body["partial_groups"] == 0 and body["failures"] == {"infra": 1}
+    assert body["counts"] == {"completed": 7, "failed": 2} and body["progress"]["streamed"] == 6
+    assert_error(await client.post("/v1/rollouts", json={
+        "tasks": task_ids, "group_size": 2, "group_spare": 1, "policy": {"name": "p", "api": "scripted"},
+        "branching": {"at_turns": [1], "fanout": 2}}), 422, "validation_error")
 
 
 async def test_stale_at_finish_reruns_until_attempts_run_out(gateway):
@@ -450,6 +587,44 @@ async def test_sse_stream_delivers_and_resumes_from_last_event_id(gateway, monke
         async with http.stream("GET", stream_url, params=params) as response:
             end = await asyncio.wait_for(SSEReader(response).next_event(), 20)
             assert end["event"] == "end"
+
+
+async def test_the_sdk_streams_failed_episodes_masked_only_to_a_consumer_that_asks(gateway):
+    client, sessionmaker = gateway.client, gateway.app.state.sessionmaker
+    task_ids = await import_tasks(client, ["a", "b"])
+    rid = (await create_rollout(client, task_ids, group_size=1, max_attempts=1))["id"]
+    ok, bad = await episodes_of(sessionmaker, rid)
+    await play_episode(sessionmaker, ok.id)
+    await play_episode(sessionmaker, bad.id, status="failed", termination="submitted", reward=None,
+                       error="verifier_error: the verifier timed out after 30s", info=VERIFIER_ERROR)
+
+    async def drain(sdk: forkyard.AsyncClient, **options: Any) -> list[forkyard.Episode]:
+        got: list[forkyard.Episode] = []
+        async with sdk.rollouts.stream(rid, **options) as stream:
+            async for batch in stream:
+                got.extend(batch)
+                await batch.ack()
+        return got
+
+    async with serve(gateway.app) as url, forkyard.AsyncClient(base_url=url, api_key=API_KEY) as sdk:
+        rollout = await sdk.rollouts.get(rid)
+        assert (rollout.partial_groups, rollout.failures, rollout.group_spare) == (1, {"verifier_error": 1}, 0)
+        (trained,) = await asyncio.wait_for(drain(sdk, consumer="trainer"), 30)  # the stream ends: done
+        assert trained.episode_id == ok.id and not trained.masked and trained.outcome == "reward"
+        everything = await asyncio.wait_for(drain(sdk, consumer="inspector", include_failed=True), 30)
+        assert [e.episode_id for e in everything] == [ok.id, bad.id]
+        failed = everything[1]
+        assert failed.masked and failed.outcome is forkyard.EpisodeOutcome.VERIFIER_ERROR and failed.reward is None
+        assert failed.loss_mask == [0] * len(failed.input_ids) and failed.logprobs == []
+        assert failed.group_partial and "verifier_error: the verifier timed out" in failed.group_reason
+        pulled = await sdk.rollouts.pull(rid, consumer="puller", include_failed=True, max_episodes=10)
+        assert pulled.episode_ids == [ok.id, bad.id] and await pulled.ack() == 2
+        assert (await sdk.rollouts.pull(rid, consumer="puller", include_failed=True)).done
+        [letter] = [d async for d in sdk.rollouts.dead_letters(rid)]
+        assert letter.id == bad.id and letter.outcome is forkyard.EpisodeOutcome.VERIFIER_ERROR
+        spared = await sdk.rollouts.create(tasks=task_ids[:1], group_size=2, group_spare=1,
+                                           policy={"name": "p", "api": "scripted"})
+        assert spared.group_spare == 1 and spared.progress.total == 3
 
 
 # --------------------------------------------------------------------------- PostgreSQL

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -11,8 +12,9 @@ from pathlib import Path
 import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
+from alembic.config import Config
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import Engine, create_engine, inspect, text
 
 import gateway.models  # noqa: F401
 from gateway.app import create_app
@@ -49,6 +51,17 @@ def assert_schema_matches_models(url: str) -> None:
         engine.dispose()
 
 
+def database_at(revision: str, backend: str, tmp_path: Path, request: pytest.FixtureRequest
+                ) -> tuple[str, Config, Engine]:
+    """Return the URL, Alembic config and engine of a database of ``backend`` migrated from empty to ``revision``."""
+    url = f"sqlite:///{tmp_path / 'r.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
+    cfg = alembic_config(url)
+    if backend == "postgresql":
+        command.downgrade(cfg, "base")  # the module's database may be at head already
+    command.upgrade(cfg, revision)
+    return url, cfg, create_engine(sync_database_url(url))
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_upgrade_head_matches_models_and_downgrades(backend, tmp_path, request):
     url = f"sqlite:///{tmp_path / 'm.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
@@ -69,12 +82,7 @@ def test_upgrade_head_matches_models_and_downgrades(backend, tmp_path, request):
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_rollouts_revision_upgrades_a_0001_database_with_data_and_downgrades(backend, tmp_path, request):
-    url = f"sqlite:///{tmp_path / 'r.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
-    cfg = alembic_config(url)
-    if backend == "postgresql":
-        command.downgrade(cfg, "base")  # the module's database may be at head already
-    command.upgrade(cfg, "0001")
-    engine = create_engine(sync_database_url(url))
+    url, cfg, engine = database_at("0001", backend, tmp_path, request)
     try:
         with engine.begin() as conn:
             conn.exec_driver_sql(
@@ -100,12 +108,7 @@ def test_rollouts_revision_upgrades_a_0001_database_with_data_and_downgrades(bac
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_snapshots_revision_keeps_sessions_and_downgrades(backend, tmp_path, request):
-    url = f"sqlite:///{tmp_path / 's.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
-    cfg = alembic_config(url)
-    if backend == "postgresql":
-        command.downgrade(cfg, "base")
-    command.upgrade(cfg, "0002")
-    engine = create_engine(sync_database_url(url))
+    url, cfg, engine = database_at("0002", backend, tmp_path, request)
     try:
         with engine.begin() as conn:
             conn.exec_driver_sql(
@@ -147,17 +150,10 @@ def _entry(command: str, observation: str) -> dict:
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_session_steps_revision_moves_histories_into_rows_and_back(backend, tmp_path, request):
     """0006: JSON histories become rows; a fork keeps only its own steps and points at its source."""
-    import json
-
-    url = f"sqlite:///{tmp_path / 'h.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
-    cfg = alembic_config(url)
-    if backend == "postgresql":
-        command.downgrade(cfg, "base")
-    command.upgrade(cfg, "0005")
+    url, cfg, engine = database_at("0005", backend, tmp_path, request)
     source = [_entry("echo a", "a"), _entry("echo b", "b"), _entry("echo c", "c")]
     fork = [*source[:2], _entry("echo f", "f")]
     snap_state = {"session": {"sandbox": {"id": "bsnap"}}, "history": source[:2], "observation": "b"}
-    engine = create_engine(sync_database_url(url))
     try:
         with engine.begin() as conn:
             conn.exec_driver_sql(
@@ -205,6 +201,52 @@ def test_session_steps_revision_moves_histories_into_rows_and_back(backend, tmp_
             assert rows == {"sess_src": source, "sess_fork": fork, "sess_new": None}
             (state,) = conn.exec_driver_sql("SELECT state FROM snapshot").scalars().all()
             assert (json.loads(state) if isinstance(state, str) else state) == snap_state
+        command.downgrade(cfg, "base")
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_outcomes_revision_derives_the_outcome_of_finished_episodes_and_downgrades(backend, tmp_path, request):
+    """0014: usable episodes were the agent's reward, failures marked info.infra the infrastructure's."""
+    url, cfg, engine = database_at("0013", backend, tmp_path, request)
+    rows = {"ep_ok": ("completed", {}), "ep_cut": ("truncated", {}), "ep_node": ("failed", {"infra": True}),
+            "ep_cancel": ("failed", {}), "ep_wait": ("queued", {})}
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO environment (id, name, family, version, description, created_at) "
+                              "VALUES ('env_1', 'terminal-o', 'terminal', '1', '', CURRENT_TIMESTAMP)"))
+            conn.execute(text("INSERT INTO task (id, name, environment_id, content_hash, instruction, metadata, "
+                              "archive, created_at, family) VALUES ('task_1', 't', 'env_1', 'h', 'do it', '{}', '', "
+                              "CURRENT_TIMESTAMP, 'terminal')"))
+            conn.execute(text(
+                "INSERT INTO rollout (id, status, policy_name, group_size, task_ids, policy, agent, limits, "
+                "staleness_action, max_attempts, group_mode, priority, concurrency, last_seq, created_at, updated_at) "
+                "VALUES ('ro_1', 'running', 'p', 5, '[\"task_1\"]', '{}', '{}', '{}', 'dead_letter', 2, 'complete', "
+                "0, 8, 0, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+            conn.execute(text("INSERT INTO episode_group (id, rollout_id, task_id, created_at, updated_at) "
+                              "VALUES ('grp_1', 'ro_1', 'task_1', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+            for index, (episode_id, (status, info)) in enumerate(rows.items()):
+                conn.execute(text(
+                    "INSERT INTO episode (id, rollout_id, group_id, task_id, task_index, sample_index, attempt, status, "
+                    "messages, timings, weight_versions, info, num_turns, created_at) VALUES (:id, 'ro_1', 'grp_1', "
+                    "'task_1', 0, :index, 1, :status, '[]', '{}', '[]', :info, 0, CURRENT_TIMESTAMP)"),
+                    {"id": episode_id, "index": index, "status": status, "info": json.dumps(info)})
+        command.upgrade(cfg, "head")
+        assert_schema_matches_models(url)
+        with engine.connect() as conn:
+            outcomes = dict(conn.execute(text("SELECT id, outcome FROM episode")).all())
+            assert outcomes == {"ep_ok": "reward", "ep_cut": "reward", "ep_node": "infra", "ep_cancel": None,
+                                "ep_wait": None}
+            assert conn.execute(text("SELECT group_spare FROM rollout")).scalar_one() == 0
+            assert tuple(conn.execute(text("SELECT partial, partial_reason FROM episode_group")).one()) in (
+                (False, None), (0, None))
+        command.downgrade(cfg, "0013")
+        with engine.connect() as conn:
+            assert "outcome" not in {c["name"] for c in inspect(conn).get_columns("episode")}
+            assert {c["name"] for c in inspect(conn).get_columns("episode_group")}.isdisjoint(
+                {"partial", "partial_reason"})
+            assert len(conn.execute(text("SELECT id FROM episode")).all()) == len(rows)
         command.downgrade(cfg, "base")
     finally:
         engine.dispose()

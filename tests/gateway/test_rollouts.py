@@ -293,7 +293,8 @@ async def test_requeue_interrupted_fails_running_episodes_and_queues_a_new_attem
     assert pulled["episodes"][0]["attempt"] == 2
 
     (dead,) = await episodes_of(sessionmaker, last_try["id"])
-    assert dead.status.value == "failed" and dead.dead_letter_reason == episodes_service.INTERRUPTED_ERROR
+    assert dead.status.value == "failed" and dead.outcome.value == "infra"
+    assert dead.dead_letter_reason == f"{episodes_service.INTERRUPTED_ERROR}; no attempts left (max_attempts 1)"
     assert (await gateway.client.get(f"/v1/rollouts/{last_try['id']}")).json()["status"] == "completed"
 
 

@@ -25,6 +25,8 @@ from tests.gateway.rollout_helpers import (
     make_step,
     recording_dispatcher,
 )
+from workers.protocol import EpisodeOutcome
+from workers.runner import failure_info
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +35,8 @@ def dispatcher(request: pytest.FixtureRequest) -> Iterator[RecordingDispatcher |
         yield recorder
 
 
-async def build_tree(gateway, failed: tuple[str, ...] = ()) -> tuple[dict, dict[str, list[dict]]]:
+async def build_tree(gateway, failed: tuple[str, ...] = (), info: dict | None = None
+                     ) -> tuple[dict, dict[str, list[dict]]]:
     sm = gateway.app.state.sessionmaker
     task_ids = await import_tasks(gateway.client, ["tree"])
     rollout = await create_rollout(gateway.client, task_ids, group_size=1, agent={"max_turns": 6},
@@ -55,7 +58,8 @@ async def build_tree(gateway, failed: tuple[str, ...] = ()) -> tuple[dict, dict[
         for name, reward in {"B": 0.0, "D": 1.0, "C": 0.5, "trunk": 1.0}.items():
             await episodes_service.finish_episode(
                 db_session=db, episode_id=ids[name], status="failed" if name in failed else "completed",
-                termination="error" if name in failed else "submitted", reward=None if name in failed else reward)
+                termination="error" if name in failed else "submitted", reward=None if name in failed else reward,
+                info=info if name in failed else None)
     return ids, steps
 
 
@@ -195,3 +199,23 @@ async def test_a_failed_leaf_shares_nothing_with_the_leaves_that_train(gateway):
     assert [seg["shared_by"] for seg in trunk["segments"]] == [3, 2, 1]  # t0; t1-t2 (trunk, C); t3
     t0 = len(steps["trunk"][0]["prompt_ids"]) + len(steps["trunk"][0]["completion_ids"])
     assert b["shared_prefix_len"] == t0 + len(steps["B"][0]["prompt_ids"])
+
+
+async def test_a_leaf_failed_for_the_infrastructure_is_not_rerun_and_its_tree_arrives_partial(gateway):
+    ids, _ = await build_tree(gateway, failed=("D",), info=failure_info(EpisodeOutcome.INFRA))
+    client = gateway.client
+    rid = (await client.get(f"/v1/episodes/{ids['D']}")).json()["rollout_id"]
+    assert len((await client.get("/v1/episodes", params={"rollout_id": rid})).json()["items"]) == 4  # no rerun
+    d = (await client.get(f"/v1/episodes/{ids['D']}")).json()
+    assert d["outcome"] == "infra" and d["dead_letter_reason"].endswith("episodes of trajectory trees are not rerun")
+    trained = (await client.post(f"/v1/rollouts/{rid}/pull", json={"consumer": "t", "max_episodes": 10})).json()
+    assert sorted(x["episode_id"] for x in trained["episodes"]) == sorted(ids[n] for n in ("trunk", "B", "C"))
+    assert {x["group_reason"] for x in trained["episodes"]} == {
+        "1 of 4 episodes failed for good: infra: the episode failed; episodes of trajectory trees are not rerun"}
+    everything = (await client.post(f"/v1/rollouts/{rid}/pull", json={
+        "consumer": "i", "max_episodes": 10, "include": ["failed"]})).json()["episodes"]
+    (masked,) = [x for x in everything if x["episode_id"] == ids["D"]]
+    assert masked["outcome"] == "infra" and masked["reward"] is None and set(masked["loss_mask"]) == {0}
+    assert masked["segments"] and masked["group_partial"] is True
+    body = (await client.get(f"/v1/rollouts/{rid}")).json()
+    assert (body["status"], body["partial_groups"], body["failures"]) == ("completed", 1, {"infra": 1})

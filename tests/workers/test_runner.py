@@ -14,6 +14,8 @@ from sandboxes.backends import create_backend
 from sandboxes.errors import BackendUnavailableError
 from tests.conftest import base_image
 from workers.branching import BranchingSpec, Tree
+from workers.envs.base import StepResult
+from workers.envs.registry import family_of
 from workers.envs.terminal.task import load_task_dir
 from workers.jobs import RolloutPlan, run_job
 from workers.policy import create_policy_client
@@ -102,6 +104,69 @@ def test_the_verifier_summary_keeps_the_tails():
     assert summary["exit_code"] == 1 and summary["timed_out"] is False
 
 
+class VerdictEnv:
+    """An environment without a sandbox whose submit answers a given final step (the family's verdict)."""
+
+    def __init__(self, final: StepResult) -> None:
+        self.final = final
+        self.tools = family_of(TASK).tools
+        self.closed = False
+
+    async def reset(self) -> str:
+        return TASK.instruction
+
+    async def step(self, action, *, budget_s=None) -> StepResult:
+        return self.final if action.tool == "submit" else StepResult("[exit code 0]", None, False, False)
+
+    async def truncate(self, reason: str) -> StepResult:
+        return self.final
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def run_verdict(final: StepResult, policy_spec: dict | None = None):
+    env = VerdictEnv(final)
+    spec = policy_spec or {"name": "test", "api": "scripted", "actions": [{"tool": "submit", "arguments": {}}]}
+    policy = create_policy_client(spec, task=TASK)
+
+    async def make_env():
+        return env
+
+    try:
+        result = await run_episode(episode_id="ep_verdict", task=TASK, runtime=None, policy=policy,
+                                   settings=AgentSettings(max_turns=3, step_timeout_s=10), sampling=Sampling(),
+                                   env_factory=make_env)
+    finally:
+        await policy.aclose()
+    assert env.closed
+    return result
+
+
+@pytest.mark.parametrize("info", [{"outcome": "verifier_error", "verifier_error": "the verifier timed out after 30s"},
+                                  {"verifier_error": "the verifier timed out after 30s"}],
+                         ids=["declared", "no-reward-no-outcome"])
+async def test_a_verifier_error_fails_the_episode_and_is_never_a_reward(info):
+    result = await run_verdict(StepResult("the verifier timed out", None, True, False, info))
+    assert (result.status, result.termination, result.reward) == ("failed", "submitted", None)
+    assert result.info["outcome"] == "verifier_error" and "infra" not in result.info
+    assert result.error == "verifier_error: the verifier timed out after 30s"
+
+
+async def test_a_zero_reward_stays_the_agents_outcome():
+    result = await run_verdict(StepResult("reward: 0", 0.0, True, False, {"outcome": "reward", "cause": "tamper"}))
+    assert (result.status, result.reward, result.info["outcome"], result.info["cause"]) == (
+        "completed", 0.0, "reward", "tamper")
+
+
+async def test_a_policy_failure_is_the_policy_error_outcome():
+    spec = {"name": "test", "api": "chat", "base_urls": ["http://127.0.0.1:9"], "model": "m"}
+    result = await run_verdict(StepResult("unused", 1.0, True, False), spec)
+    assert (result.status, result.termination, result.reward) == ("failed", "error", None)
+    assert result.info["outcome"] == "policy_error" and "infra" not in result.info
+    assert "127.0.0.1:9" in result.error
+
+
 async def test_max_turns_truncates_and_still_verifies(runtime):
     actions = [{"tool": "bash", "arguments": {"command": "true"}}] * 3
     result, steps = await run(runtime, {"name": "test", "api": "scripted", "actions": actions}, max_turns=2)
@@ -133,6 +198,7 @@ async def test_a_sandbox_failure_is_marked_infra_not_the_policys(runtime, monkey
     result, steps = await run(runtime, {"name": "test", "api": "scripted"})
     assert (result.status, result.termination, result.reward, steps) == ("failed", "error", None, [])
     assert result.info["infra"] is True and "engine stopped answering" in result.error
+    assert result.info["outcome"] == "infra"
 
 
 async def test_an_image_that_cannot_be_built_is_marked_infra(runtime, tmp_path):

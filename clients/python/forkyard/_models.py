@@ -24,6 +24,7 @@ __all__ = [
     "Rollout",
     "Policy",
     "EpisodeStatus",
+    "EpisodeOutcome",
     "Episode",
     "EpisodeInfo",
     "EpisodeStep",
@@ -206,8 +207,18 @@ class EpisodeStatus(str, enum.Enum):
     STALE = "stale"
 
 
+class EpisodeOutcome(str, enum.Enum):
+    """Whose result an ended episode is: only ``reward`` is training data; the others are retried, never a 0."""
+
+    REWARD = "reward"
+    VERIFIER_ERROR = "verifier_error"
+    POLICY_ERROR = "policy_error"
+    INFRA = "infra"
+
+
 _RolloutStatusField = Union[RolloutStatus, str]
 _EpisodeStatusField = Union[EpisodeStatus, str]
+_EpisodeOutcomeField = Union[EpisodeOutcome, str]
 
 
 def _id_text(value: Any) -> Any:
@@ -222,13 +233,13 @@ class RolloutProgress(ForkyardModel):
     """How far a rollout is, in samples: in total, finished, streamed, and delivered to consumers."""
 
     total: int = 0
-    """Samples asked for: tasks x group_size."""
+    """Samples asked for: tasks x (group_size + group_spare)."""
     finished: int = 0
     """Samples whose last attempt has ended."""
     streamed: int = 0
-    """Episodes that entered the delivery stream."""
+    """Episodes that entered the delivery stream as training data."""
     delivered: int = 0
-    """Streamed episodes acknowledged by at least one consumer."""
+    """Streamed training episodes acknowledged by at least one consumer."""
 
 
 class Rollout(ForkyardModel):
@@ -245,11 +256,17 @@ class Rollout(ForkyardModel):
     staleness_action: str | None = None
     max_attempts: int | None = None
     group_mode: dict[str, Any] = Field(default_factory=dict)
+    group_spare: int = 0
+    """Extra samples each group runs; the first group_size usable ones are delivered."""
     priority: int = 0
     concurrency: int | None = None
     counts: dict[str, int] = Field(default_factory=dict)
     """Number of episode rows (every attempt) per EpisodeStatus value."""
     progress: RolloutProgress = Field(default_factory=RolloutProgress)
+    failures: dict[str, int] = Field(default_factory=dict)
+    """Failed episode rows (every attempt) per failure outcome: infra, verifier_error, policy_error."""
+    partial_groups: int = 0
+    """Groups delivered with fewer usable samples than asked for (their episodes say ``group_partial``)."""
     created_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -296,6 +313,11 @@ class Episode(ForkyardModel):
     in order (None where the inference server returned none). ``seq`` is the episode's
     position in its rollout's delivery stream; it and the fields after it are set on
     delivered episodes (pull, stream).
+
+    A failed episode (delivered only to ``include_failed=True``) is masked: ``loss_mask`` all
+    zeros, no ``logprobs``, ``reward`` None; ``outcome`` and ``error`` say what failed.
+    ``group_partial`` says the episode's group was delivered short of usable samples, and
+    ``group_reason`` why.
     """
 
     episode_id: _IdField
@@ -303,6 +325,10 @@ class Episode(ForkyardModel):
     loss_mask: list[int] = Field(default_factory=list)
     logprobs: list[float | None] | None = None
     reward: float | None = None
+    outcome: _EpisodeOutcomeField | None = Field(default=None, union_mode="left_to_right")
+    """``reward`` for training data; ``infra``, ``verifier_error`` or ``policy_error`` for a masked failure."""
+    error: str | None = None
+    """What ended a failed episode."""
     group_id: _IdField | None = None
     weight_versions: list[int] = Field(default_factory=list)
     termination: str | None = None
@@ -322,11 +348,20 @@ class Episode(ForkyardModel):
     """Branching rollouts: leading tokens shared with another leaf of the tree (count them once)."""
     segments: list[dict[str, Any]] = Field(default_factory=list)
     """Branching rollouts: ``input_ids[start:end]`` ran on ``episode_id`` and ``shared_by`` leaves share it."""
+    group_partial: bool = False
+    """The episode's group was delivered with fewer usable samples than it asked for."""
+    group_reason: str | None = None
+    """Why a partial group is short: how many samples failed for good, with each one's outcome and error."""
 
     @property
     def id(self) -> str:
         """The episode's id (same as episode_id)."""
         return self.episode_id
+
+    @property
+    def masked(self) -> bool:
+        """Whether this is a failed episode delivered for inspection only (never train on it)."""
+        return self.outcome not in (None, EpisodeOutcome.REWARD)
 
 
 class EpisodeInfo(ForkyardModel):
@@ -342,6 +377,8 @@ class EpisodeInfo(ForkyardModel):
     status: _EpisodeStatusField = Field(union_mode="left_to_right")
     termination: str | None = None
     reward: float | None = None
+    outcome: _EpisodeOutcomeField | None = Field(default=None, union_mode="left_to_right")
+    """Whose result the ended episode is (see EpisodeOutcome); None while it runs and for failures of no outcome."""
     error: str | None = None
     num_turns: int | None = None
     seq: int | None = None

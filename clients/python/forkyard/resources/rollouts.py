@@ -230,6 +230,7 @@ def _create_request(
     staleness_action: str | None,
     max_attempts: int | None,
     group_mode: str | Mapping[str, Any] | None,
+    group_spare: int | None,
     priority: int | None,
     concurrency: int | None,
     branching: Mapping[str, Any] | None,
@@ -250,6 +251,7 @@ def _create_request(
         "staleness_action": staleness_action,
         "max_attempts": max_attempts,
         "group_mode": group_mode,
+        "group_spare": group_spare,
         "priority": priority,
         "concurrency": concurrency,
         "branching": branching,
@@ -304,6 +306,7 @@ def _pull_request(
     visibility_timeout_s: float | None,
     cursor: int | None,
     redeliver: bool,
+    include_failed: bool,
     make_batch: Callable[[list[Episode], int | None, bool], Any],
 ) -> RequestOptions[Any]:
     if isinstance(max_episodes, bool) or not isinstance(max_episodes, int) or max_episodes < 1:
@@ -317,6 +320,8 @@ def _pull_request(
         body["cursor"] = cursor
     if redeliver:
         body["redeliver"] = True
+    if include_failed:
+        body["include"] = ["failed"]
     return RequestOptions(
         "POST",
         f"/v1/rollouts/{path_id(rollout_id, 'rollout_id')}/pull",
@@ -349,6 +354,7 @@ def _stream_options(
     batch_size: int | None,
     visibility_timeout_s: float | None,
     redeliver: bool,
+    include_failed: bool,
     max_reconnects: int,
 ) -> RequestOptions[None]:
     if isinstance(max_reconnects, bool) or not isinstance(max_reconnects, int) or max_reconnects < 0:
@@ -363,6 +369,7 @@ def _stream_options(
             "batch_size": batch_size,
             "visibility_timeout_s": visibility_timeout_s,
             "redeliver": "true" if redeliver else None,
+            "include": "failed" if include_failed else None,
         },
     )
 
@@ -447,6 +454,7 @@ class Rollouts(Resource):
         staleness_action: str | None = None,
         max_attempts: int | None = None,
         group_mode: str | Mapping[str, Any] | None = None,
+        group_spare: int | None = None,
         priority: int | None = None,
         concurrency: int | None = None,
         branching: Mapping[str, Any] | None = None,
@@ -459,6 +467,8 @@ class Rollouts(Resource):
             tasks: task ids or Task objects, or a mapping such as {"environment": "terminal", "names": [...]}.
             policy: {"name", "api": "tokens"|"chat"|"scripted", "base_urls", "model", "sampling", ...}.
             group_mode: "complete", "early", or {"mode": "early", "min_group_size": n}.
+            group_spare: extra samples per group; the first group_size usable ones are delivered,
+                the rest cancelled or kept unstreamed.
             branching: run each sample as a trajectory tree: {"at_turns": [k, ...], "fanout": m,
                 "max_episodes": n} or {"adaptive": {"budget": b, "min_entropy": h, "fanout": m}}.
             lazy_fork: False to give every sample its own sandbox even when the task declares
@@ -468,7 +478,7 @@ class Rollouts(Resource):
         return self._client._request(_create_request(
             tasks=tasks, group_size=group_size, policy=policy, agent=agent, limits=limits,
             max_staleness=max_staleness, staleness_action=staleness_action, max_attempts=max_attempts,
-            group_mode=group_mode, priority=priority, concurrency=concurrency, branching=branching,
+            group_mode=group_mode, group_spare=group_spare, priority=priority, concurrency=concurrency, branching=branching,
             lazy_fork=lazy_fork, extra_body=extra_body,
         ))
 
@@ -506,6 +516,7 @@ class Rollouts(Resource):
         visibility_timeout_s: float | None = None,
         cursor: int | None = None,
         redeliver: bool = False,
+        include_failed: bool = False,
     ) -> EpisodeBatch:
         """Lease up to max_episodes delivered episodes for a consumer group, waiting up to wait_s for some.
 
@@ -513,6 +524,9 @@ class Rollouts(Resource):
         again. `batch.done` tells that the rollout is finished and nothing is left.
         After a crash, pass the last `cursor` you processed (or redeliver=True) to get
         every unacked episode delivered after it at once instead of after its lease.
+        include_failed=True also delivers the failed episodes (infra, verifier_error,
+        policy_error), masked: `episode.masked`, reward None, loss_mask all zeros; ack them
+        like the others. Use the same include_failed on every call of a consumer.
         """
         def make_batch(episodes: list[Episode], cursor: int | None, done: bool) -> EpisodeBatch:
             return EpisodeBatch(
@@ -522,7 +536,8 @@ class Rollouts(Resource):
 
         return self._client._request(
             _pull_request(
-                rollout_id, consumer, max_episodes, wait_s, visibility_timeout_s, cursor, redeliver, make_batch
+                rollout_id, consumer, max_episodes, wait_s, visibility_timeout_s, cursor, redeliver, include_failed,
+                make_batch,
             )
         )
 
@@ -539,6 +554,7 @@ class Rollouts(Resource):
         cursor: int | None = None,
         visibility_timeout_s: float | None = None,
         redeliver: bool = False,
+        include_failed: bool = False,
         max_reconnects: int = DEFAULT_MAX_RECONNECTS,
     ) -> Stream[EpisodeBatch]:
         """Iterate over a rollout's episodes as batches until the rollout is done.
@@ -548,10 +564,12 @@ class Rollouts(Resource):
         trained on; one that is not acked within visibility_timeout_s is delivered again,
         but this iterator yields each episode once. `cursor` resumes after a position
         (a batch's `cursor`) with every unacked episode after it redelivered at once;
-        `redeliver` redelivers all unacked ones. Leaving the loop early: close the
-        stream, or use it with `with`.
+        `redeliver` redelivers all unacked ones. `include_failed` also delivers failed
+        episodes, masked (`episode.masked`). Leaving the loop early: close the stream, or
+        use it with `with`.
         """
-        options = _stream_options(rollout_id, consumer, batch_size, visibility_timeout_s, redeliver, max_reconnects)
+        options = _stream_options(rollout_id, consumer, batch_size, visibility_timeout_s, redeliver, include_failed,
+                                  max_reconnects)
         assembler: _BatchAssembler
 
         def acker(ids: list[str]) -> int:
@@ -586,6 +604,7 @@ class AsyncRollouts(Resource):
         staleness_action: str | None = None,
         max_attempts: int | None = None,
         group_mode: str | Mapping[str, Any] | None = None,
+        group_spare: int | None = None,
         priority: int | None = None,
         concurrency: int | None = None,
         branching: Mapping[str, Any] | None = None,
@@ -598,6 +617,8 @@ class AsyncRollouts(Resource):
             tasks: task ids or Task objects, or a mapping such as {"environment": "terminal", "names": [...]}.
             policy: {"name", "api": "tokens"|"chat"|"scripted", "base_urls", "model", "sampling", ...}.
             group_mode: "complete", "early", or {"mode": "early", "min_group_size": n}.
+            group_spare: extra samples per group; the first group_size usable ones are delivered,
+                the rest cancelled or kept unstreamed.
             branching: run each sample as a trajectory tree: {"at_turns": [k, ...], "fanout": m,
                 "max_episodes": n} or {"adaptive": {"budget": b, "min_entropy": h, "fanout": m}}.
             lazy_fork: False to give every sample its own sandbox even when the task declares
@@ -607,7 +628,7 @@ class AsyncRollouts(Resource):
         return await self._client._request(_create_request(
             tasks=tasks, group_size=group_size, policy=policy, agent=agent, limits=limits,
             max_staleness=max_staleness, staleness_action=staleness_action, max_attempts=max_attempts,
-            group_mode=group_mode, priority=priority, concurrency=concurrency, branching=branching,
+            group_mode=group_mode, group_spare=group_spare, priority=priority, concurrency=concurrency, branching=branching,
             lazy_fork=lazy_fork, extra_body=extra_body,
         ))
 
@@ -645,6 +666,7 @@ class AsyncRollouts(Resource):
         visibility_timeout_s: float | None = None,
         cursor: int | None = None,
         redeliver: bool = False,
+        include_failed: bool = False,
     ) -> AsyncEpisodeBatch:
         """Lease up to max_episodes delivered episodes for a consumer group, waiting up to wait_s for some.
 
@@ -652,6 +674,9 @@ class AsyncRollouts(Resource):
         again. `batch.done` tells that the rollout is finished and nothing is left.
         After a crash, pass the last `cursor` you processed (or redeliver=True) to get
         every unacked episode delivered after it at once instead of after its lease.
+        include_failed=True also delivers the failed episodes (infra, verifier_error,
+        policy_error), masked: `episode.masked`, reward None, loss_mask all zeros; ack them
+        like the others. Use the same include_failed on every call of a consumer.
         """
         def make_batch(episodes: list[Episode], cursor: int | None, done: bool) -> AsyncEpisodeBatch:
             return AsyncEpisodeBatch(
@@ -661,7 +686,8 @@ class AsyncRollouts(Resource):
 
         return await self._client._request(
             _pull_request(
-                rollout_id, consumer, max_episodes, wait_s, visibility_timeout_s, cursor, redeliver, make_batch
+                rollout_id, consumer, max_episodes, wait_s, visibility_timeout_s, cursor, redeliver, include_failed,
+                make_batch,
             )
         )
 
@@ -678,6 +704,7 @@ class AsyncRollouts(Resource):
         cursor: int | None = None,
         visibility_timeout_s: float | None = None,
         redeliver: bool = False,
+        include_failed: bool = False,
         max_reconnects: int = DEFAULT_MAX_RECONNECTS,
     ) -> AsyncStream[AsyncEpisodeBatch]:
         """Iterate (`async for`) over a rollout's episodes as batches until the rollout is done.
@@ -687,10 +714,12 @@ class AsyncRollouts(Resource):
         once trained on; one that is not acked within visibility_timeout_s is delivered
         again, but this iterator yields each episode once. `cursor` resumes after a
         position (a batch's `cursor`) with every unacked episode after it redelivered at
-        once; `redeliver` redelivers all unacked ones. Leaving the loop early: aclose the
-        stream, or use `async with`.
+        once; `redeliver` redelivers all unacked ones. `include_failed` also delivers failed
+        episodes, masked (`episode.masked`). Leaving the loop early: aclose the stream, or
+        use `async with`.
         """
-        options = _stream_options(rollout_id, consumer, batch_size, visibility_timeout_s, redeliver, max_reconnects)
+        options = _stream_options(rollout_id, consumer, batch_size, visibility_timeout_s, redeliver, include_failed,
+                                  max_reconnects)
         assembler: _BatchAssembler
 
         async def acker(ids: list[str]) -> int:
