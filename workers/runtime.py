@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 #: Metadata keys of the snapshots a trajectory tree (``forkyard.tree``), a lazy-fork group
 #: (``forkyard.shared``) or a verifier's fork (``forkyard.verifier``) takes; nothing outlives them.
-TRANSIENT_SNAPSHOT_KEYS = frozenset({"forkyard.tree", "forkyard.shared", "forkyard.verifier"})
+TRANSIENT_SNAPSHOT_KEYS = frozenset({"forkyard.tree", "forkyard.shared", "forkyard.verifier", "forkyard.base"})
 #: A built image handed out for a sandbox this recently is never removed by the image cap.
 IMAGE_KEEP_S = 600.0
 

@@ -107,6 +107,36 @@ def test_wrong_actions_score_zero_and_unreachable_server_fails_visibly(client, t
     assert len(letters) == 2 and all("127.0.0.1:9" in (e.error or "") for e in letters)
 
 
+def test_a_verifier_timeout_never_reaches_the_trainer_as_zero(client, tmp_path):
+    """A verifier that times out is the task's failure: retried, never trained on, its group flagged.
+
+    Before typed outcomes, each of these episodes streamed to the trainer with reward 0.0.
+    """
+    task = tmp_path / "slow-verifier"
+    for rel, text in {
+        "instruction.md": "Do nothing.\n",
+        "task.toml": "[verifier]\ntimeout_sec = 2\n",
+        "environment/Dockerfile": "FROM ubuntu:24.04\n",
+        "tests/test.sh": "#!/bin/bash\nsleep 60\n",
+        "solution/solve.sh": "#!/bin/bash\ntrue\n",
+    }.items():
+        (task / rel).parent.mkdir(parents=True, exist_ok=True)
+        (task / rel).write_text(text)
+    [slow] = client.tasks.import_dir(task)
+    rollout = client.rollouts.create(tasks={"ids": [slow.id]}, group_size=2, policy=ORACLE, max_attempts=2,
+                                     agent={"max_turns": 4})
+    trained = [e for batch in client.rollouts.stream(rollout.id, consumer="trainer", batch_size=4) for e in batch]
+    assert trained == []
+    final = client.rollouts.get(rollout.id)
+    assert final.status == "completed" and final.partial_groups == 1
+    assert final.failures == {"verifier_error": 4}  # two samples, two attempts each
+    masked = client.rollouts.pull(rollout.id, consumer="inspect", max_episodes=8, include_failed=True)
+    assert len(masked) == 4
+    assert all(e.masked and e.reward is None and e.outcome == "verifier_error" and not any(e.loss_mask)
+               for e in masked), masked
+    assert all(e.group_partial and "verifier_error" in (e.group_reason or "") for e in masked)
+
+
 def test_bad_rollout_requests_are_clear_4xx(client, task_ids, live_gateway):
     # The SDK refuses group_size 0 itself; the gateway must too, for any client.
     with pytest.raises(ValueError, match="group_size"):

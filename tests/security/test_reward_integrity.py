@@ -47,7 +47,8 @@ async def _nothing_left(harness) -> None:
 
 
 async def test_background_process_cannot_rewrite_the_reward(harness):
-    async with harness.env(probe_task(HONEST_FAILURE)) as env:
+    # "report": the writes to /logs/verifier are a finding, and the verifier still runs.
+    async with harness.env(probe_task(HONEST_FAILURE, tamper="report")) as env:
         forge = (
             "nohup bash -c 'while :; do mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; "
             "sleep 0.01; done' >/dev/null 2>&1 & echo started"
@@ -60,7 +61,7 @@ async def test_background_process_cannot_rewrite_the_reward(harness):
 
 
 async def test_background_process_cannot_rewrite_the_tests(harness):
-    async with harness.env(probe_task(HONEST_FAILURE)) as env:
+    async with harness.env(probe_task(HONEST_FAILURE, tamper="report")) as env:
         forge = (
             "nohup bash -c 'while :; do if [ -f /tests/test.sh ]; then "
             "printf \"#!/bin/bash\\nmkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt\\n\" > /tests/test.sh; "
@@ -100,7 +101,7 @@ truncate -s 256M /logs/verifier/reward.txt
 """
     async with harness.env(probe_task(sparse)) as env:
         result = await _submit(env)
-        assert result.reward == 0.0
+        assert result.reward is None and result.info["outcome"] == "verifier_error"  # never a 0
         error = result.info["verifier_error"]
         assert f"{REWARD_MAX_BYTES // 1024} KiB" in error and "reward.txt" in error
     await _nothing_left(harness)

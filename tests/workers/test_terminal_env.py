@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from sandboxes.base import LABEL_OWNER, ExecResult
-from sandboxes.errors import SandboxNotFoundError
+from sandboxes.errors import SandboxCrashedError, SandboxError, SandboxNotFoundError
 from workers.envs.base import Action, openai_tools, run_actions
 from workers.envs.terminal import FAMILY
 from workers.envs.terminal.env import (
@@ -49,10 +49,12 @@ echo "verifier ran in $(pwd) with MARK=${MARK:-unset}"
 
 
 def probe_task(
-    test_sh: bytes = PROBE_TEST, *, agent_timeout: float = 600, verifier_timeout: float = 60, environment: str = ""
+    test_sh: bytes = PROBE_TEST, *, agent_timeout: float = 600, verifier_timeout: float = 60, environment: str = "",
+    tamper: str | None = None,
 ) -> TerminalTask:
     """Return a small in-memory task on the probe image with the given verifier (and ``[environment]`` lines)."""
     toml = f"[agent]\ntimeout_sec = {agent_timeout}\n[verifier]\ntimeout_sec = {verifier_timeout}\n"
+    toml += f'tamper = "{tamper}"\n' if tamper else ""
     toml += f"[environment]\n{environment}\n" if environment else ""
     return load_task_files(
         "probe",
@@ -292,10 +294,17 @@ async def test_bash_steps_and_verifier_runs_from_the_workdir(harness: Harness) -
 
 async def test_forged_reward_without_a_verifier_reward_is_an_error(harness: Harness) -> None:
     silent = b"#!/bin/bash\necho 'no reward written'\n"
+    forge = "mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt"
     async with harness.env(probe_task(silent)) as env:
-        await env.step(Action("bash", {"command": "mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt"}))
+        await env.step(Action("bash", {"command": forge}))
         result = await env.step(Action("submit", {}))
-    assert result.reward == 0.0
+    assert result.reward == 0.0 and result.info["cause"] == "tamper"
+    assert result.info["tamper"][0]["path"].startswith("/logs/verifier")
+    # Only reported: the forged file is not there for the verifier, which wrote none.
+    async with harness.env(probe_task(silent, tamper="report")) as env:
+        await env.step(Action("bash", {"command": forge}))
+        result = await env.step(Action("submit", {}))
+    assert result.reward is None and result.info["outcome"] == "verifier_error"
     assert "neither" in result.info["verifier_error"]
 
 
@@ -313,25 +322,68 @@ async def test_forged_reward_without_a_verifier_reward_is_an_error(harness: Harn
 async def test_verifier_writing_garbage_is_a_verifier_error(harness: Harness, test_sh: bytes, words: str) -> None:
     async with harness.env(probe_task(test_sh)) as env:
         result = await env.step(Action("submit", {}))
-    assert result.reward == 0.0
+    assert result.reward is None and result.info["outcome"] == "verifier_error"  # never a 0
     assert result.terminated
     assert words in result.info["verifier_error"]
-    assert "[verifier error:" in result.observation
+    assert "[verifier error:" in result.observation and "[reward: none]" in result.observation
 
 
-async def test_a_wrecked_sandbox_scores_zero_with_a_verifier_error(harness: Harness) -> None:
+async def test_a_wrecked_sandbox_is_the_agents_doing(harness: Harness) -> None:
+    """What the agent does to its own sandbox is scored: a file where the verifier's logs go is tamper, a
+    removed workdir fails the tests; neither is an error of the verifier."""
     async with harness.env(probe_task()) as env:
         await env.step(Action("bash", {"command": "touch /app/done && rm -rf /logs && touch /logs"}))
         result = await env.step(Action("submit", {}))
-    assert result.reward == 0.0
-    assert "could not run" in result.info["verifier_error"]
+    assert result.reward == 0.0 and result.info["cause"] == "tamper", result.info
+    async with harness.env(probe_task()) as env:
+        await env.step(Action("bash", {"command": "cd / && rm -rf /app"}))
+        result = await env.step(Action("submit", {}))
+    assert result.reward == 0.0 and result.info["outcome"] == "reward" and "cause" not in result.info, result.info
+
+
+async def test_a_sandbox_the_agent_took_down_is_scored_on_what_it_left(harness: Harness, monkeypatch) -> None:
+    """A command that leaves the sandbox unable to run is the agent's doing (a fresh sandbox starts): the
+    episode ends with a verdict on its files and the cause. When no fresh sandbox starts either, the host
+    is at fault: the crash stays an infrastructure error, never a 0."""
+    real_exec = harness.backend.exec
+
+    async def exec_(sandbox_id, command, **kwargs):
+        if "crash-me" in command:
+            raise SandboxCrashedError(f"the shell of sandbox {sandbox_id} did not start again")
+        return await real_exec(sandbox_id, command, **kwargs)
+
+    monkeypatch.setattr(harness.backend, "exec", exec_)
+    async with harness.env(probe_task()) as env:
+        await env.step(Action("bash", {"command": "touch /app/done"}))
+        result = await env.step(Action("bash", {"command": "crash-me"}))
+        assert result.truncated and result.reward == 1.0, result.info
+        assert result.info["cause"] == "sandbox_crashed" and result.info["outcome"] == "reward"
+        assert "[the sandbox stopped working:" in result.observation
+    async with harness.env(probe_task()) as env:
+        async def no_create(spec):
+            raise SandboxError("the engine is gone")
+
+        monkeypatch.setattr(harness.backend, "create", no_create)
+        with pytest.raises(SandboxCrashedError):
+            await env.step(Action("bash", {"command": "crash-me"}))
+
+
+async def test_tests_the_agents_work_makes_hang_are_its_zero(harness: Harness) -> None:
+    """A verifier that hangs only on the agent's work (its program never returns) scores the agent 0: a
+    control run on what the agent started from finishes, so a policy cannot drop its failures by hanging."""
+    runs = b"#!/bin/bash\nmkdir -p /logs/verifier\nif [ -x /app/run.sh ]; then /app/run.sh; fi\necho 0 > /logs/verifier/reward.txt\n"
+    async with harness.env(probe_task(runs, verifier_timeout=2)) as env:
+        await env.step(Action("bash", {"command": "printf '#!/bin/bash\\nsleep 100\\n' > /app/run.sh && chmod +x /app/run.sh"}))
+        result = await env.step(Action("submit", {}))
+    assert result.reward == 0.0 and result.info["outcome"] == "reward", result.info
+    assert result.info["cause"] == "tests_timed_out" and "timed out" in result.info["reason"]
 
 
 async def test_verifier_timeout_is_a_verifier_error(harness: Harness) -> None:
     slow = b"#!/bin/bash\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\nsleep 60\n"
     async with harness.env(probe_task(slow, verifier_timeout=1)) as env:
         result = await env.step(Action("submit", {}))
-    assert result.reward == 0.0
+    assert result.reward is None and result.info["outcome"] == "verifier_error"  # never a 0
     assert result.info["verifier"]["timed_out"] is True
     assert "timed out" in result.info["verifier_error"]
 

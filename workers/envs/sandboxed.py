@@ -18,21 +18,41 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import logging
 import math
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sandboxes.base import ExecResult, SandboxBackend, SandboxInfo, SandboxSpec
+from sandboxes.errors import SandboxCrashedError, SandboxError
+from sandboxes.snapshots import Snapshot
 from workers.envs.base import StepResult, ToolSpec
 from workers.errors import ActionError, SessionClosedError
+from workers.protocol import EpisodeOutcome
 
 if TYPE_CHECKING:
-    from sandboxes.snapshots import Snapshot
     from workers.pool import WarmPool, Warmup
 
 #: Seconds a bash call may run when the agent gives no timeout (and the caller no budget).
+logger = logging.getLogger(__name__)
+
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
+#: Label naming what a sandbox is for (``verifier``, ``grader``, ``control``).
+LABEL_ROLE = "forkyard.role"
+#: ``info.cause`` of an episode whose agent took its own sandbox down: scored on what it left.
+CAUSE_SANDBOX_CRASHED = "sandbox_crashed"
+#: ``info.cause`` of an episode whose files no verifier could start on (while a fresh sandbox does).
+CAUSE_SANDBOX_BROKEN = "sandbox_broken"
+#: ``info.cause`` of a verdict refused for tampering (``info.tamper`` lists what was found).
+CAUSE_TAMPER = "tamper"
+#: ``info.cause`` of tests that ran past their limit on the agent's work but not on a fresh reset of the task.
+CAUSE_TESTS_TIMED_OUT = "tests_timed_out"
+#: Metadata key of the files a reset left, kept while the episode runs: what the agent's changes are
+#: measured against (the runtime sweeps those a crash left).
+BASE_SNAPSHOT_KEY = "forkyard.base"
 #: Bytes of stdout (and, separately, stderr) an observation keeps per command.
 DEFAULT_MAX_OUTPUT_BYTES = 32 * 1024
 
@@ -117,6 +137,82 @@ def check_no_arguments(tool: str, arguments: Mapping[str, Any]) -> None:
         raise ActionError(f"{tool} takes no arguments, got {', '.join(map(repr, sorted(arguments)))}")
 
 
+#: Most tamper findings a verdict lists (``info.tamper_more`` counts the rest).
+MAX_TAMPER_LISTED = 50
+
+
+@dataclass
+class Verdict:
+    """What verifying an episode found: a reward, or whose fault it is that there is none.
+
+    ``details`` holds the family's own keys of the final step's info (the terminal verifier's
+    ``reward_details`` and ``verifier``; SWE's ``grading``).
+    """
+
+    reward: float | None = None
+    outcome: EpisodeOutcome = EpisodeOutcome.REWARD
+    cause: str | None = None
+    error: str | None = None
+    tamper: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    took_s: float = 0.0
+    """How long the tests ran (not part of the info: a step's info stays the same for the same work)."""
+
+    def refuse(self, reason: str, *, cause: str) -> None:
+        """Score 0 for what the agent did (``cause``), without a verdict of the tests."""
+        self.reward, self.cause, self.error = 0.0, cause, reason
+
+    def fail(self, reason: str) -> None:
+        """No reward: the verifier failed (timed out, crashed, left no readable reward). Never a 0."""
+        self.reward, self.outcome, self.error = None, EpisodeOutcome.VERIFIER_ERROR, reason
+
+    def info(self) -> dict[str, Any]:
+        """Return the final step's info (see :class:`~workers.protocol.EpisodeOutcome` for ``outcome``)."""
+        info: dict[str, Any] = {"outcome": self.outcome.value, **self.details}
+        if self.cause is not None:
+            info["cause"] = self.cause
+        if self.tamper:
+            info["tamper"] = _diverse(self.tamper, MAX_TAMPER_LISTED)
+            if len(self.tamper) > MAX_TAMPER_LISTED:
+                info["tamper_more"] = len(self.tamper) - MAX_TAMPER_LISTED
+        if self.error is not None:
+            info["verifier_error" if self.outcome is EpisodeOutcome.VERIFIER_ERROR else "reason"] = self.error
+        return info
+
+    def ending(self, observation: str, *, truncated: bool, refused: str) -> StepResult:
+        """Return the episode's final step: ``observation``, then what the verdict is and why."""
+        lines = [observation.rstrip("\n")]
+        if self.cause == CAUSE_TAMPER:
+            lines.append(f"[verdict refused: {refused} ({len(self.tamper)} finding(s), see info.tamper)]")
+        elif self.error is not None:
+            kind = "verifier error" if self.outcome is EpisodeOutcome.VERIFIER_ERROR else "no verdict of the tests"
+            lines.append(f"[{kind}: {self.error}]")
+        lines.append(f"[reward: {self.reward:g}]" if self.reward is not None else "[reward: none]")
+        return StepResult(observation="\n".join(lines), reward=self.reward, terminated=not truncated,
+                          truncated=truncated, info=self.info())
+
+    def summary(self) -> str:
+        """Return the verdict in a few words, for the log."""
+        return ((f"reward {self.reward:g}" if self.reward is not None else "no reward")
+                + (f", cause {self.cause}" if self.cause else "") + (f" ({self.error})" if self.error else ""))
+
+
+def _diverse(findings: list[dict[str, Any]], most: int) -> list[dict[str, Any]]:
+    """Return at most ``most`` findings, taking each reason in turn: one deleted directory of a thousand
+    files must not hide the one ``.pth`` beside it."""
+    by_why: dict[str, list[dict[str, Any]]] = {}
+    for finding in findings:
+        by_why.setdefault(str(finding.get("why")), []).append(finding)
+    picked: list[dict[str, Any]] = []
+    for rank in range(len(findings)):
+        for group in by_why.values():
+            if rank < len(group) and len(picked) < most:
+                picked.append(group[rank])
+        if len(picked) >= most:
+            break
+    return picked
+
+
 class SandboxedEnv:
     """The part of an environment that is one sandbox, an agent clock and a step count."""
 
@@ -134,6 +230,11 @@ class SandboxedEnv:
         self._done = False
         self._closed = False
         self._lock = asyncio.Lock()
+        self._base: Snapshot | None = None
+        """What the agent started from when it is not the image: a snapshot of what reset left (the setup
+        cache's, or one this env took). The verdict measures the agent's changes against it."""
+        self._owned_base: Snapshot | None = None
+        """A base snapshot this env took (deleted at the next reset and at close)."""
 
     @property
     def done(self) -> bool:
@@ -151,10 +252,30 @@ class SandboxedEnv:
         self._deadline = time.monotonic() + (self.agent_timeout_s if seconds is None else seconds)
 
     async def close(self) -> None:
-        """Destroy the sandbox; later calls do nothing."""
+        """Destroy the sandbox and the base snapshot this env took; later calls do nothing."""
         async with self._lock:
             self._closed = self._done = True
             await self._destroy_sandbox()
+            await self._drop_base()
+
+    async def _keep_base(self, name: str) -> None:
+        """Keep the files as reset left them (files only, a snapshot this env owns) as the base of the verdict."""
+        self._base = self._owned_base = await self.backend.snapshot(
+            self._sandbox_id(), metadata={BASE_SNAPSHOT_KEY: name}, shell_state=False)
+
+    async def _drop_base(self) -> None:
+        owned, self._owned_base, self._base = self._owned_base, None, None
+        if owned is not None:
+            await asyncio.shield(self.backend.delete_snapshot(owned.id))
+
+    def _base_state(self) -> dict[str, Any] | None:
+        """Return the base as :meth:`export_state` carries it to forks (which never own it)."""
+        return self._base.to_json() if self._base is not None else None
+
+    def _adopt_base(self, state: Mapping[str, Any]) -> None:
+        """Take the base a fork's state names (see :meth:`_base_state`)."""
+        base = state.get("base")
+        self._base = Snapshot.from_json(base) if base else None
 
     async def _destroy_sandbox(self) -> None:
         sandbox, self.sandbox = self.sandbox, None
@@ -194,9 +315,35 @@ class SandboxedEnv:
         self.steps += 1
         self._count("env_steps")
 
-    async def _finish(self, observation: str, *, truncated: bool) -> StepResult:
-        """End the episode, verify it and return the final step (each family's own)."""
+    async def _finish(self, observation: str, *, truncated: bool, cause: str | None = None) -> StepResult:
+        """End the episode, verify it and return the final step (each family's own).
+
+        ``cause`` says what the agent did that ended it early (``sandbox_crashed``); it goes
+        in the final step's ``info.cause`` beside the verdict on what the agent left.
+        """
         raise NotImplementedError
+
+    def _spec(self) -> SandboxSpec:
+        """Return the spec of a fresh sandbox of the task (each family's own)."""
+        raise NotImplementedError
+
+    async def fresh_sandbox_starts(self) -> bool:
+        """Tell whether a fresh sandbox of the task starts now on this backend.
+
+        The control that tells what the agent did to its own sandbox (reward 0, with the
+        cause) from what the host did (an infrastructure failure, never a 0): when the
+        agent's sandbox, or one made of its files, will not run, a fresh one that does
+        puts the fault on the agent's files.
+        """
+        spec = dataclasses.replace(self._spec(), network=False, network_of=None,
+                                   labels={**self._spec().labels, LABEL_ROLE: "control"})
+        try:
+            info = await self.backend.create(spec)
+        except SandboxError as exc:
+            logger.warning("a control sandbox of image %s did not start either: %s", spec.image, exc)
+            return False
+        await self.backend.destroy(info.id)
+        return True
 
     async def _out_of_time(self, observation: str) -> StepResult:
         note = f"[episode ended: agent time limit of {self.agent_timeout_s:g}s reached]\n"
@@ -219,8 +366,16 @@ class SandboxedEnv:
             return await self._out_of_time("")
         wanted = requested if requested is not None else DEFAULT_COMMAND_TIMEOUT_S
         timeout = min(wanted, left)
-        result = await self.backend.exec(self._sandbox_id(), command, timeout_s=timeout,
-                                         max_output_bytes=self.max_output_bytes)
+        try:
+            result = await self.backend.exec(self._sandbox_id(), command, timeout_s=timeout,
+                                             max_output_bytes=self.max_output_bytes)
+        except SandboxCrashedError as exc:
+            # The command took the sandbox down (killed its shell, deleted bash, ...): the agent's
+            # doing, scored on what it left, unless a fresh sandbox will not start either.
+            if not await self.fresh_sandbox_starts():
+                raise
+            return await self._finish(f"[the sandbox stopped working: {exc}]\n", truncated=True,
+                                      cause=CAUSE_SANDBOX_CRASHED)
         observation = format_exec_result(result, timeout_s=timeout)
         if self.time_left() <= 0 or (result.timed_out and wanted >= left):
             return await self._out_of_time(observation + "\n")
@@ -229,5 +384,7 @@ class SandboxedEnv:
                                 "time_left_s": self.time_left()})
 
 
-__all__ = ["BASH_TOOL", "DEFAULT_COMMAND_TIMEOUT_S", "DEFAULT_MAX_OUTPUT_BYTES", "SUBMIT_TOOL", "SandboxedEnv",
+__all__ = ["MAX_TAMPER_LISTED", "Verdict", "BASE_SNAPSHOT_KEY", "BASH_TOOL", "CAUSE_SANDBOX_BROKEN", "CAUSE_SANDBOX_CRASHED", "CAUSE_TAMPER",
+           "CAUSE_TESTS_TIMED_OUT", "DEFAULT_COMMAND_TIMEOUT_S",
+           "LABEL_ROLE", "DEFAULT_MAX_OUTPUT_BYTES", "SUBMIT_TOOL", "SandboxedEnv",
            "bash_arguments", "check_no_arguments", "finite_number", "format_exec_result"]

@@ -3,11 +3,15 @@
 The agent sees two tools, ``bash`` and ``submit``. Each bash call runs in the
 sandbox's persistent shell (``cd`` and ``export`` persist between calls). The
 episode ends when the agent submits or its time (``[agent] timeout_sec``, wall
-clock from reset) runs out; either way the verifier runs: ``tests/`` is copied to
-``/tests`` only then, ``bash /tests/test.sh`` runs from the task's working
-directory with the environment the image started with (not what the agent
-exported), and the reward is read from ``/logs/verifier/reward.txt`` (a number) or
-``/logs/verifier/reward.json`` (an object of numbers).
+clock from reset) runs out; either way the verifier runs, with the image's own tools
+over the agent's files (:meth:`TerminalEnv._verify`, :mod:`workers.envs.tamper`):
+``tests/`` is copied to ``/tests`` only then, ``bash /tests/test.sh`` runs from the
+task's working directory with the environment the image started with (never what the
+agent exported), and the reward is read from ``/logs/verifier/reward.txt`` (a number)
+or ``/logs/verifier/reward.json`` (an object of numbers). The final step's
+``info.outcome`` is ``reward`` (``info.cause`` says when the agent's doing decided it:
+``tamper``, ``tests_timed_out``, ``sandbox_broken``, ``sandbox_crashed``) or
+``verifier_error`` (no reward).
 
 A task with ``forkyard/reset.sh`` has it run at every reset, right after the
 sandbox starts (from the working directory, with the image's environment, bounded by
@@ -36,26 +40,44 @@ from typing import TYPE_CHECKING, Any
 from sandboxes.base import (
     ExecResult,
     Resources,
+    Revert,
     SandboxBackend,
     SandboxInfo,
     SandboxSpec,
+    SandboxState,
 )
 from sandboxes.errors import (
     BackendUnavailableError,
     FileTooLargeError,
+    ImageNotFoundError,
     SandboxCrashedError,
     SandboxError,
     SandboxNotFoundError,
 )
+from sandboxes.layers import LayerStack, diff
+from sandboxes.snapshots import CAPTURE_COMMAND, CAPTURE_MAX_BYTES, Snapshot, parse_exported
 from workers.envs.base import Action, EnvSnapshot, StepResult, ToolSpec
 from workers.envs.sandboxed import (
     BASH_TOOL,
+    CAUSE_SANDBOX_BROKEN,
+    CAUSE_TAMPER,
+    CAUSE_TESTS_TIMED_OUT,
     DEFAULT_MAX_OUTPUT_BYTES,
+    LABEL_ROLE,
     SUBMIT_TOOL,
     SandboxedEnv,
+    Verdict,
     bash_arguments,
     check_no_arguments,
     format_exec_result,
+)
+from workers.envs.tamper import (
+    Finding,
+    TamperPolicy,
+    VerifierContext,
+    scan_filesystem,
+    scan_variables,
+    verifier_environment,
 )
 from workers.envs.terminal.task import SETUP_SCRIPT, TerminalTask
 from workers.envs.terminal.verifier import (
@@ -72,7 +94,6 @@ from workers.setup_cache import SetupCacheKey
 from workers.trust import CA_BUNDLE_PATH, ca_env
 
 if TYPE_CHECKING:
-    from sandboxes.snapshots import Snapshot
     from workers.pool import WarmPool
     from workers.setup_cache import SetupCache
 
@@ -80,7 +101,7 @@ logger = logging.getLogger(__name__)
 
 #: Version of what a reset leaves in the sandbox; part of every setup cache key. Bump it
 #: when reset changes (other dirs, another way of running reset.sh) so old entries miss.
-TERMINAL_ENV_VERSION = "4"
+TERMINAL_ENV_VERSION = "5"
 #: Where the agent's logs go, and where the verifier finds the tests.
 AGENT_LOG_DIR = "/logs/agent"
 TESTS_DIR = "/tests"
@@ -88,8 +109,10 @@ TESTS_DIR = "/tests"
 SETUP_DIR = "/forkyard-reset"
 #: Metadata key of the snapshot a verifier's fork is restored from (deleted right after).
 VERIFIER_SNAPSHOT_KEY = "forkyard.verifier"
-#: Label naming what a sandbox is for (``verifier`` on a verifier's fork).
-LABEL_ROLE = "forkyard.role"
+# Bounds the read of the agent's exports (reported, never used).
+_EXPORTS_TIMEOUT_S = 5.0
+# A control run that takes more than this share of the verifier's limit tells nothing of a time-out.
+_CONTROL_MARGIN = 0.5
 # Bounds the housekeeping commands the env itself runs (mkdir, rm, probes).
 _HOUSEKEEPING_TIMEOUT_S = 30.0
 _STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -175,11 +198,14 @@ class TerminalEnv(SandboxedEnv):
             if self._closed:
                 raise SessionClosedError("the environment is closed")
             await self._destroy_sandbox()
+            await self._drop_base()
             self._count("resets")
             if self.task.setup_script is not None and self.setup_cache is not None:
                 await self._start_cached(self.setup_cache)
             else:
                 await self._start_fresh()
+            if self.task.setup_script is not None and self._base is None:
+                await self._keep_base(self.task.name)
             self._start_clock()
             logger.info(
                 "terminal task %s: sandbox %s ready (image %s, workdir %s)",
@@ -249,6 +275,7 @@ class TerminalEnv(SandboxedEnv):
             "steps": self.steps,
             "time_left_s": self.time_left(),
             "initial_env": dict(self._initial_env) if self._initial_env is not None else None,
+            "base": self._base_state(),
         }
 
     async def snapshot(self, *, metadata: Mapping[str, str] | None = None) -> EnvSnapshot:
@@ -282,6 +309,7 @@ class TerminalEnv(SandboxedEnv):
         env.steps = int(state.get("steps") or 0)
         initial = state.get("initial_env")
         env._initial_env = dict(initial) if initial is not None else None
+        env._adopt_base(state)
         left = float(state.get("time_left_s", task.agent_timeout_s))
         env._deadline = time.monotonic() + left
         return env
@@ -304,7 +332,7 @@ class TerminalEnv(SandboxedEnv):
             if self.ca_bundle is not None:
                 await self.backend.write_file(self.sandbox.id, CA_BUNDLE_PATH, self.ca_bundle, mode=0o644)
             result = await self._housekeeping(
-                f"mkdir -p {VERIFIER_LOG_DIR} {AGENT_LOG_DIR} && pwd", what="prepare the sandbox"
+                f"mkdir -p {AGENT_LOG_DIR} && pwd", what="prepare the sandbox"
             )
             self.workdir = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "/"
             self._initial_env = await self._capture_env()
@@ -335,6 +363,7 @@ class TerminalEnv(SandboxedEnv):
                     await cache.discard(key)
                     continue
                 self._count("setup_cache_hits")
+                self._base = entry.snapshot
                 self.workdir = entry.state.get("workdir") or "/"
                 initial = entry.state.get("initial_env")
                 self._initial_env = dict(initial) if initial is not None else None
@@ -483,59 +512,86 @@ class TerminalEnv(SandboxedEnv):
             run = f"command -p env {extra} {run}"
         return f"(cd {shlex.quote(self.workdir or '/')} && {run})"
 
-    async def _finish(self, observation: str, *, truncated: bool) -> StepResult:
+    async def _finish(self, observation: str, *, truncated: bool, cause: str | None = None) -> StepResult:
         """Run the verifier, end the episode and return the final step."""
         self._done = True
-        reward, details, verifier, error = await self._verify()
-        info: dict[str, Any] = {"reward_details": details, "verifier": verifier}
-        lines = [observation.rstrip("\n")]
-        if error is not None:
-            info["verifier_error"] = error
-            lines.append(f"[verifier error: {error}]")
-        lines.append(f"[reward: {reward:g}]")
-        logger.info(
-            "terminal task %s: episode ended in sandbox %s after %d steps, reward %g%s",
-            self.task.name,
-            self.sandbox.id if self.sandbox else "-",
-            self.steps,
-            reward,
-            f" (verifier error: {error})" if error else "",
-        )
-        return StepResult(
-            observation="\n".join(lines),
-            reward=reward,
-            terminated=not truncated,
-            truncated=truncated,
-            info=info,
-        )
+        verdict = await self._verify()
+        if cause is not None and verdict.cause is None:
+            verdict.cause = cause
+        logger.info("terminal task %s: episode ended in sandbox %s after %d steps, %s", self.task.name,
+                    self.sandbox.id if self.sandbox else "-", self.steps, verdict.summary())
+        return verdict.ending(observation, truncated=truncated, refused="the agent changed what the verifier relies on")
 
-    async def _verify(self) -> tuple[float, dict[str, float], dict[str, Any], str | None]:
-        """Run the verifier in a fork of the agent's sandbox; return (reward, details, verifier, error).
+    def _verifier_context(self) -> VerifierContext:
+        env = self._initial_env or {}
+        path = env.get("PATH") or _STANDARD_PATH
+        homes = dict.fromkeys(["/root", *([env["HOME"]] if env.get("HOME", "").startswith("/") else [])])
+        return VerifierContext(path_dirs=tuple(d for d in path.split(":") if d.startswith("/")), homes=tuple(homes),
+                               tests_dir=TESTS_DIR, verifier_dirs=(VERIFIER_LOG_DIR,))
 
-        The fork is restored from a snapshot of the sandbox as the agent left it, so it has
-        every file the agent made but none of its processes: nothing the agent left running
-        can touch the tests, the verifier's processes or its reward file. It joins the
-        agent sandbox's network namespace, so services the agent started still answer on
-        localhost as Harbor's tests expect.
+    async def _exported_hooks(self, sandbox_id: str) -> list[Finding]:
+        """Return the start-hook variables the agent exported in its shell (best effort: reported, never used)."""
+        try:
+            result = await self.backend.exec(sandbox_id, CAPTURE_COMMAND, timeout_s=_EXPORTS_TIMEOUT_S,
+                                             max_output_bytes=CAPTURE_MAX_BYTES)
+        except SandboxError:
+            return []
+        if result.exit_code != 0 or result.timed_out or result.truncated:
+            return []
+        return scan_variables(parse_exported(result.stdout), self._initial_env or {})
+
+    async def _verify(self) -> Verdict:
+        """Verify the agent's work with the image's own tools; return the verdict.
+
+        The agent's files are captured host-side (no program of its sandbox runs) and
+        compared with what it started from (:mod:`workers.envs.tamper`): what it changed of
+        the verifier's tools and hooks is a finding, and the verifier runs in a new sandbox
+        of those files where every such path reads as the image had it, with an environment
+        made from the image's, never the agent's. It joins the agent sandbox's network
+        namespace, so services the agent started still answer on localhost as Harbor's
+        tests expect, but none of its processes, so nothing the agent left running can touch
+        the tests, the verifier's processes or its reward file.
         """
         sandbox_id = self._sandbox_id()
-        verifier: dict[str, Any] = {"exit_code": None, "stdout": "", "stderr": "", "timed_out": False}
+        verdict = Verdict(details={"reward_details": {}, "verifier": _no_run()})
         snap = None
         fork_id = None
         try:
-            snap = await self.backend.snapshot(sandbox_id, metadata={VERIFIER_SNAPSHOT_KEY: self.task.name})
-            spec = dataclasses.replace(self._spec(), network_of=sandbox_id, labels={**self.labels, LABEL_ROLE: "verifier"})
-            [fork] = await self.backend.restore(snap, 1, spec=spec)
+            variables = await self._exported_hooks(sandbox_id)
+            snap = await self.backend.snapshot(sandbox_id, metadata={VERIFIER_SNAPSHOT_KEY: self.task.name},
+                                               shell_state=False)
+            top = await self.backend.filesystem(snap)
+            base_ref, base = await self._base_filesystem()
+            try:
+                changes = await asyncio.to_thread(diff, base, top)
+            except SandboxError as exc:  # more changed paths than anything honest makes
+                verdict.refuse(str(exc), cause=CAUSE_SANDBOX_BROKEN)
+                return verdict
+            scan = scan_filesystem(changes, top=top, base=base, context=self._verifier_context())
+            verdict.tamper = [f.as_dict() for f in (*variables, *scan.findings)]
+            if scan.revert:
+                verdict.details["reverted_paths"] = len(scan.revert)
+            if verdict.tamper and self.task.tamper is TamperPolicy.FAIL:
+                verdict.refuse("the agent changed what the verifier relies on", cause=CAUSE_TAMPER)
+                return verdict
+            spec = dataclasses.replace(self._spec(), labels={**self.labels, LABEL_ROLE: "verifier"},
+                                       network_of=sandbox_id if await self._alive(sandbox_id) else None)
+            try:
+                [fork] = await self.backend.restore(snap, 1, spec=spec, revert=Revert(tuple(scan.revert), base_ref),
+                                                    shell_state=False)
+            except (SandboxNotFoundError, BackendUnavailableError):
+                raise
+            except SandboxError as exc:
+                if not await self.fresh_sandbox_starts():
+                    raise
+                verdict.refuse(f"no verifier could start on the agent's files: {exc}", cause=CAUSE_SANDBOX_BROKEN)
+                return verdict
             fork_id = fork.id
-            return await self._verify_in(fork_id, verifier)
-        except (SandboxNotFoundError, SandboxCrashedError, BackendUnavailableError):
-            raise
-        except (SandboxError, OSError) as exc:
-            # The agent can wreck its sandbox (rm -rf /, a file where /logs was); that scores zero.
-            logger.warning(
-                "terminal task %s: verifier could not run beside sandbox %s: %s", self.task.name, sandbox_id, exc
-            )
-            return 0.0, {}, verifier, f"the verifier could not run: {exc}"
+            failure = await self._verify_in(fork_id, verdict, rebuild_loader_cache=scan.rebuild_loader_cache)
+            if failure is not None:
+                reason, cause = failure
+                await self._blame(verdict, reason, cause=cause)
+            return verdict
         finally:
             # The fork first: a snapshot's storage must outlive every sandbox restored from it.
             if fork_id is not None:
@@ -543,14 +599,40 @@ class TerminalEnv(SandboxedEnv):
             if snap is not None:
                 await self.backend.delete_snapshot(snap.id)
 
-    async def _verify_in(
-        self, sandbox_id: str, verifier: dict[str, Any]
-    ) -> tuple[float, dict[str, float], dict[str, Any], str | None]:
-        """Copy the tests into ``sandbox_id``, run test.sh there and read the reward."""
+    async def _base_filesystem(self) -> tuple[Snapshot | str, LayerStack]:
+        """Return what the agent started from and its files (the image, when a reset.sh's snapshot is gone)."""
+        if self._base is not None:
+            try:
+                return self._base, await self.backend.filesystem(self._base)
+            except (SandboxNotFoundError, ImageNotFoundError):
+                logger.warning("terminal task %s: the snapshot of what reset.sh left (%s) is gone; the agent's "
+                               "changes are measured against the image", self.task.name, self._base.id)
+        return self.image, await self.backend.filesystem(self.image)
+
+    async def _alive(self, sandbox_id: str) -> bool:
         try:
-            # Whatever the agent left at these paths must not decide the reward.
+            info = await self.backend.status(sandbox_id)
+        except SandboxError:
+            return False
+        return info.state in (SandboxState.READY, SandboxState.BUSY)
+
+    async def _verify_in(self, sandbox_id: str, verdict: Verdict, *,
+                         rebuild_loader_cache: bool) -> tuple[str, str] | None:
+        """Copy the tests into ``sandbox_id``, run test.sh there and read the reward into ``verdict``.
+
+        Returns (why, cause) when the run did not finish (it timed out, or its sandbox broke
+        under the tests): whose fault that is takes a control run (:meth:`_blame`). A reward
+        file that is missing, too large or no reward fails the verdict (``verifier_error``).
+        """
+        record = verdict.details["verifier"]
+        try:
+            # The image's ldconfig, over the image's loader configuration: libraries the agent installed are found.
+            ldconfig = "{ ! command -v ldconfig >/dev/null || ldconfig; } && " if rebuild_loader_cache else ""
+            # The workdir is made again if the agent removed it: the tests then fail on their own.
+            workdir = shlex.quote(self.workdir or "/")
             ready = await self._housekeeping(
-                f"rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} && mkdir -p {VERIFIER_LOG_DIR} && id -u && id -g",
+                f"{ldconfig}rm -rf {TESTS_DIR} {VERIFIER_LOG_DIR} && mkdir -p {VERIFIER_LOG_DIR} {workdir} && "
+                "id -u && id -g",
                 what="prepare the verifier",
                 sandbox_id=sandbox_id,
             )
@@ -563,38 +645,91 @@ class TerminalEnv(SandboxedEnv):
             timeout = self.task.verifier_timeout_s
             result = await self.backend.exec(
                 sandbox_id,
-                self._clean_command(f"{TESTS_DIR}/test.sh", self.task.verifier_env),
+                self._verifier_command(f"{TESTS_DIR}/test.sh"),
                 timeout_s=timeout,
                 max_output_bytes=_VERIFIER_OUTPUT_BYTES,
             )
-            verifier.update(
-                exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr, timed_out=result.timed_out
-            )
+            record.update(exit_code=result.exit_code, stdout=result.stdout, stderr=result.stderr,
+                          timed_out=result.timed_out)
+            verdict.took_s = result.duration_s
             if result.timed_out:
-                return 0.0, {}, verifier, f"the verifier timed out after {timeout:g}s"
+                return f"the verifier timed out after {timeout:g}s", CAUSE_TESTS_TIMED_OUT
             probe = await self._housekeeping(
                 f"if [ -f {REWARD_TXT} ]; then echo txt; elif [ -f {REWARD_JSON} ]; then echo json; fi",
                 what="look for the reward file",
                 sandbox_id=sandbox_id,
             )
             kind = probe.stdout.strip()
-            if kind in ("txt", "json"):
-                path = REWARD_TXT if kind == "txt" else REWARD_JSON
-                try:
-                    raw = await self.backend.read_file(sandbox_id, path, max_bytes=REWARD_MAX_BYTES)
-                except FileTooLargeError:
-                    raise RewardError(
-                        f"the verifier's {path} is larger than {REWARD_MAX_BYTES // 1024} KiB; a reward file holds "
-                        "one number or one small JSON object"
-                    ) from None
-                reward, details = parse_reward_txt(raw) if kind == "txt" else parse_reward_json(raw)
-            else:
+            if kind not in ("txt", "json"):
                 raise RewardError(
                     f"the verifier wrote neither {REWARD_TXT} nor {REWARD_JSON} (exit code {result.exit_code})"
                 )
+            path = REWARD_TXT if kind == "txt" else REWARD_JSON
+            try:
+                raw = await self.backend.read_file(sandbox_id, path, max_bytes=REWARD_MAX_BYTES)
+            except FileTooLargeError:
+                raise RewardError(
+                    f"the verifier's {path} is larger than {REWARD_MAX_BYTES // 1024} KiB; a reward file holds "
+                    "one number or one small JSON object"
+                ) from None
+            reward, details = parse_reward_txt(raw) if kind == "txt" else parse_reward_json(raw)
+            verdict.reward, verdict.details["reward_details"] = reward, details
         except RewardError as exc:
-            return 0.0, {}, verifier, str(exc)
-        return reward, details, verifier, None
+            verdict.fail(str(exc))
+        except (SandboxNotFoundError, BackendUnavailableError):
+            raise
+        except (SandboxError, OSError) as exc:
+            logger.warning("terminal task %s: the verifier failed in sandbox %s: %s", self.task.name, sandbox_id, exc)
+            return f"the verifier's sandbox broke under the tests: {exc}", CAUSE_SANDBOX_BROKEN
+        return None
+
+    async def _blame(self, verdict: Verdict, reason: str, *, cause: str) -> None:
+        """Decide whose a verifier run that did not finish is: the agent's work's, if it finishes without it.
+
+        A control run of the same verifier on a fresh sandbox of what the agent started
+        from: if it finishes well within the limit, the agent's work made the tests hang or
+        broke their sandbox (reward 0 with ``cause``), so a policy cannot make its failures
+        vanish by hanging; if not, no verdict can be had (``verifier_error``, never a 0).
+        """
+        if await self._control_finishes():
+            verdict.refuse(f"{reason}; on what the agent started from the verifier runs to its end", cause=cause)
+        else:
+            verdict.fail(reason)
+
+    async def _control_finishes(self) -> bool:
+        """Tell whether the verifier runs to its end, well within its limit, on a fresh sandbox of the base."""
+        spec = dataclasses.replace(self._spec(), labels={**self.labels, LABEL_ROLE: "control"})
+        try:
+            if self._base is not None:
+                [control] = await self.backend.restore(self._base, 1, spec=spec, shell_state=False)
+            else:
+                control = await self.backend.create(spec)
+        except (SandboxNotFoundError, ImageNotFoundError):
+            return False  # the base is gone: no control, so no blame
+        try:
+            record = Verdict(details={"reward_details": {}, "verifier": _no_run()})
+            failed = await self._verify_in(control.id, record, rebuild_loader_cache=False)
+            return failed is None and record.took_s <= self.task.verifier_timeout_s * _CONTROL_MARGIN
+        finally:
+            await self.backend.destroy(control.id)
+
+    def _verifier_command(self, script: str) -> str:
+        """Return a command running ``bash script`` from the workdir, with an environment built from nothing.
+
+        The image's environment as the sandbox started (less the variables that make a shell
+        or an interpreter run a file at start) and ``[verifier] env``; ``bash`` reads no
+        profile or rc file. ``env`` and ``bash`` are the image's: the verifier's sandbox
+        shows every program the agent touched as the image had it.
+        """
+        base = self._initial_env if self._initial_env is not None else {"PATH": _STANDARD_PATH}
+        env = verifier_environment(base, self.task.verifier_env)
+        assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()))
+        run = f"command -p env -i {assignments} bash --noprofile --norc {shlex.quote(script)}"
+        return f"(cd {shlex.quote(self.workdir or '/')} && {run})"
+
+
+def _no_run() -> dict[str, Any]:
+    return {"exit_code": None, "stdout": "", "stderr": "", "timed_out": False}
 
 
 __all__ = ["BASH_TOOL", "SUBMIT_TOOL", "TOOLS", "TerminalEnv", "bash_arguments", "format_exec_result"]

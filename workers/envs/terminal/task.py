@@ -46,6 +46,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from workers.archives import ArchiveLimits, iter_members, read_dir
+from workers.envs.tamper import TamperPolicy
 from workers.errors import TaskFormatError
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ USED_KEYS: Mapping[str, frozenset[str]] = MappingProxyType({
     "": frozenset({"version", "schema_version", "task", "metadata", "agent", "verifier", "environment", "solution"}),
     "task": frozenset({"name", "description", "authors", "keywords"}),
     "agent": frozenset({"timeout_sec"}),
-    "verifier": frozenset({"timeout_sec", "env"}),
+    "verifier": frozenset({"timeout_sec", "env", "tamper"}),
     "solution": frozenset({"env"}),
     "environment": frozenset({
         "docker_image", "cpus", "memory", "memory_mb", "storage", "storage_mb", "network", "allow_internet",
@@ -134,6 +135,9 @@ class TerminalTask:
     """``[verifier] env``: variables ``tests/test.sh`` runs with (beside the image's)."""
     solution_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     """``[solution] env``: variables ``solution/solve.sh`` runs with."""
+    tamper: TamperPolicy = TamperPolicy.FAIL
+    """``[verifier] tamper``: whether the agent's changes to the verifier's tools fail the episode (the
+    default) or are only reported (:mod:`workers.envs.tamper`)."""
 
     def __hash__(self) -> int:
         return hash((self.name, self.content_hash))
@@ -273,6 +277,11 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
 
     agent_timeout = _positive_number(agent, "agent", "timeout_sec", DEFAULT_AGENT_TIMEOUT_S)
     verifier_timeout = _positive_number(verifier, "verifier", "timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S)
+    tamper = verifier.get("tamper", TamperPolicy.FAIL.value)
+    if tamper not in {p.value for p in TamperPolicy}:
+        raise TaskFormatError(
+            f"{CONFIG_FILE}: [verifier] tamper must be \"fail\" or \"report\", got {tamper!r}",
+            file=CONFIG_FILE, field="verifier.tamper")
     cpus = _positive_number(environment, "environment", "cpus", DEFAULT_CPUS)
     memory_mb = _size_mb(environment, "memory", DEFAULT_MEMORY_MB)
     disk_mb = _size_mb(environment, "storage", DEFAULT_DISK_MB)
@@ -337,6 +346,7 @@ def load_task_files(name: str, files: Mapping[str, bytes]) -> TerminalTask:
         environment_env=MappingProxyType(envs["environment"]),
         verifier_env=MappingProxyType(envs["verifier"]),
         solution_env=MappingProxyType(envs["solution"]),
+        tamper=TamperPolicy(tamper),
     )
 
 
