@@ -27,9 +27,15 @@ class BuildBackend:
 @pytest.fixture(params=["local", "docker"])
 async def build_backend(request) -> AsyncIterator[BuildBackend]:
     """Yield a local or docker backend with the production base image; destroy its sandboxes afterwards."""
+    async for ready in backend_with_base(request.param):
+        yield ready
+
+
+async def backend_with_base(kind: str) -> AsyncIterator[BuildBackend]:
+    """Yield a fresh ``kind`` backend with the production base image; destroy its sandboxes and root afterwards."""
     root_dir = Path(tempfile.mkdtemp(prefix="forkyard-workers-"))
     node = f"test-workers-{uuid.uuid4().hex[:8]}"
-    backend = create_backend(request.param, node=node, root_dir=root_dir)
+    backend = create_backend(kind, node=node, root_dir=root_dir)
     try:
         yield BuildBackend(backend, await base_image(backend))
     finally:

@@ -14,7 +14,6 @@ from workers.envs.swe.grading import (
     EXIT_MARKER,
     START_MARKER,
     grade,
-    is_test_path,
     parse_pytest,
 )
 
@@ -87,16 +86,6 @@ def test_unittest_output_old_and_new_python() -> None:
                                "test_c (pkg.tests.Case.test_c)": "SKIPPED", "test_d (pkg.tests.Case.test_d)": "ERROR",
                                "test_e (pkg.tests.Case.test_e)": "PASSED"}
     assert report.resolved
-
-
-@pytest.mark.parametrize(("path", "steers"), [
-    ("tests/test_calc.py", True), ("src/pkg/tests/helpers.py", True), ("conftest.py", True),
-    ("pkg/conftest.py", True), ("pytest.ini", True), ("setup.cfg", True), ("pyproject.toml", True),
-    ("sitecustomize.py", True), ("x.pth", True), ("calc/stats_test.py", True),
-    ("calc/stats.py", False), ("calc/testing_utils.py", False), ("README.md", False), ("src/contest.py", False),
-])
-def test_paths_the_agent_may_not_change_for_grading(path: str, steers: bool) -> None:
-    assert is_test_path(path) is steers
 
 
 def test_pytest_lines_outside_the_summary_and_odd_ids() -> None:

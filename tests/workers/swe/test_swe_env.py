@@ -1,4 +1,4 @@
-"""SWE episodes in real sandboxes, on both backends: reset, tools, grading, tampering, the setup cache."""
+"""SWE episodes in real sandboxes, on both backends: reset, tools, grading, tamper, outcomes, the setup cache."""
 
 from __future__ import annotations
 
@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 
 from sandboxes.base import LABEL_OWNER
+from sandboxes.errors import SandboxCrashedError
 from tests.conftest import DEFAULT_IMAGE_CACHE
-from tests.workers.conftest import BuildBackend
+from tests.workers.conftest import BuildBackend, backend_with_base
 from workers.envs.base import Action, EnvSnapshot, run_actions
+from workers.envs.sandboxed import BASE_SNAPSHOT_KEY
 from workers.envs.swe import FAMILY
-from workers.envs.swe.env import SWEEnv
-from workers.envs.swe.task import SWETask
+from workers.envs.swe.env import GRADE_SNAPSHOT_KEY, SWEEnv, oracle_patch_command
+from workers.envs.swe.task import SWETask, instance_from_json
 from workers.errors import ActionError, SessionClosedError
 from workers.runtime import WorkerRuntime
 from workers.setup_cache import SetupCache
@@ -41,8 +43,16 @@ class Harness:
             await env.close()
 
 
+@pytest.fixture(scope="module", params=["local", "docker"])
+async def module_backend(request) -> AsyncIterator[BuildBackend]:
+    """A backend for the whole module: the instances' images are built once per backend, not once per test."""
+    async for ready in backend_with_base(request.param):
+        yield ready
+
+
 @pytest.fixture
-async def harness(build_backend: BuildBackend, swe_store, tmp_path: Path) -> AsyncIterator[Harness]:
+async def harness(module_backend: BuildBackend, swe_store, tmp_path: Path) -> AsyncIterator[Harness]:
+    build_backend = module_backend
     _, tasks = swe_store
     ready = Harness(build_backend, tasks, tmp_path / "setup-cache")
     try:
@@ -159,21 +169,136 @@ async def test_editor_edge_cases(harness: Harness) -> None:
         assert "No such file" in await _bash(env, "cat /testbed/pkg/new.py")
 
 
-async def test_changes_to_tests_and_pytest_hooks_do_not_reach_the_grade(harness: Harness) -> None:
-    """An agent that rewrites the failing test, adds a conftest.py passing everything and poisons pytest still scores 0."""
+TAMPERING = ("cd /testbed && sed -i 's/== 10$/== 0/' tests/test_numbers.py && "
+             "printf 'import pytest\\n@pytest.hookimpl(hookwrapper=True)\\ndef pytest_runtest_makereport(item, call):\\n"
+             "    out = yield\\n    out.get_result().outcome = \"passed\"\\n' > conftest.py && "
+             "echo 'import sys' > sitecustomize.py && "
+             "{ (while true; do echo 1 > /testbed/tests/test_numbers.py; sleep 0.05; done) >/dev/null 2>&1 & }")
+POISON_PYTEST = ("echo 'raise SystemExit(0)' >> "
+                 "$(python3 -c 'import _pytest, os; print(os.path.dirname(_pytest.__file__))')/__init__.py")
+
+
+def _variant(task: SWETask, **fields: object) -> SWETask:
+    """Return ``task`` with some instance fields changed (another instance: another hash, another setup)."""
+    return instance_from_json({**task.to_json(), **fields})
+
+
+async def test_changes_to_tests_and_pytest_hooks_are_tamper(harness: Harness) -> None:
+    """Rewriting the failing test, a conftest.py passing everything and a startup hook: reward 0, each listed."""
     task = harness.tasks["forkyard__calc-clamp-upper"]
     async with harness.env(task) as env:
-        await _bash(env, "cd /testbed && sed -i 's/== 10$/== 0/' tests/test_numbers.py && "
-                         "printf 'import pytest\\n@pytest.hookimpl(hookwrapper=True)\\ndef pytest_runtest_makereport(item, call):\\n"
-                         "    out = yield\\n    out.get_result().outcome = \"passed\"\\n' > conftest.py && "
-                         "echo 'import sys' > sitecustomize.py && "
-                         "(while true; do echo 1 > /testbed/tests/test_numbers.py; sleep 0.05; done) >/dev/null 2>&1 &")
-        await _bash(env, "echo 'raise SystemExit(0)' >> $(python3 -c 'import _pytest, os; print(os.path.dirname(_pytest.__file__))')/__init__.py")
+        await _bash(env, TAMPERING)
+        await _bash(env, POISON_PYTEST)  # outside the workdir: the grader never sees it, and it is no finding
+        result = await env.step(Action("submit", {}))
+    assert result.reward == 0.0 and result.info["outcome"] == "reward" and result.info["cause"] == "tamper", result.info
+    assert {f["path"] for f in result.info["tamper"]} == {"conftest.py", "sitecustomize.py", "tests/test_numbers.py"}
+    assert all(f["why"] and f["change"] in ("added", "modified") for f in result.info["tamper"])
+    assert "FAIL_TO_PASS" not in result.info["grading"], "a refused verdict runs no tests"
+    assert "[verdict refused" in result.observation and "[reward: 0]" in result.observation
+
+
+async def test_reported_tamper_is_left_out_of_the_grade(harness: Harness) -> None:
+    task = _variant(harness.tasks["forkyard__calc-clamp-upper"], tamper="report")
+    async with harness.env(task) as env:
+        await _bash(env, TAMPERING)
+        await _bash(env, POISON_PYTEST)
         result = await env.step(Action("submit", {}))
     grading = result.info["grading"]
-    assert result.reward == 0.0, grading
-    assert set(grading["ignored_test_paths"]) == {"conftest.py", "sitecustomize.py", "tests/test_numbers.py"}
+    assert result.reward == 0.0 and "cause" not in result.info, result.info
+    assert set(grading["left_out_paths"]) == {"conftest.py", "sitecustomize.py", "tests/test_numbers.py"}
+    assert {f["path"] for f in result.info["tamper"]} == set(grading["left_out_paths"])
     assert grading["FAIL_TO_PASS"]["failure"] == list(task.fail_to_pass) and grading["pass_to_pass"] == 1.0
+
+
+async def test_honest_work_with_test_runs_and_a_dependency_is_no_tamper(harness: Harness) -> None:
+    """Running the tests (bytecode, pytest's cache) and declaring a dependency are an honest agent's habits."""
+    task = harness.tasks["forkyard__calc-clamp-upper"]
+    async with harness.env(task) as env:
+        await _bash(env, oracle_patch_command(task))
+        await _bash(env, "cd /testbed && sed -i 's/^requires-python.*/&\\ndependencies = []/' pyproject.toml && "
+                         "python -m pytest -q tests; python -m pytest -q -p no:cacheprovider tests")
+        result = await env.step(Action("submit", {}))
+    assert result.reward == 1.0, result.info
+    assert "tamper" not in result.info and "cause" not in result.info and result.info["outcome"] == "reward"
+    assert result.info["grading"]["bytecode_left_out"] > 0
+
+
+async def test_a_gone_base_snapshot_gives_way_to_a_fresh_graders_files(harness: Harness) -> None:
+    """The reset point's snapshot went (evicted from the cache): the agent's change is still measured right."""
+    task = harness.tasks["forkyard__calc-median-even"]
+    assert harness.runtime.setup_cache is not None
+    async with harness.env(task) as env:
+        await harness.runtime.setup_cache.clear()
+        assert [s for s in await harness.backend.list_snapshots() if s.id == env.export_state()["base"]["id"]] == []
+        solved = await run_actions(env, FAMILY.oracle(task))
+    assert solved.reward == 1.0 and "tamper" not in solved.info, solved.info
+    assert [s for s in await harness.backend.list_snapshots() if "forkyard.verifier" in s.metadata] == []
+
+
+async def test_without_a_cache_the_env_keeps_its_own_base_until_it_closes(harness: Harness) -> None:
+    task = harness.tasks["forkyard__calc-lcm"]
+    env = SWEEnv(task, harness.backend, image=await harness.runtime.task_image(task), repos=FAMILY.repos,
+                 labels={LABEL_OWNER: harness.owner})
+    try:
+        await env.reset()
+        base = env.export_state()["base"]
+        held = [s for s in await harness.backend.list_snapshots() if BASE_SNAPSHOT_KEY in s.metadata]
+        assert [s.id for s in held] == [base["id"]]
+        await env.reset()  # a new episode, a new base; the old one is freed
+        held = [s.id for s in await harness.backend.list_snapshots() if BASE_SNAPSHOT_KEY in s.metadata]
+        assert held == [env.export_state()["base"]["id"]] and held != [base["id"]]
+        result = await run_actions(env, FAMILY.oracle(task))
+        assert result.reward == 1.0, result.info
+    finally:
+        await env.close()
+    assert [s for s in await harness.backend.list_snapshots()
+            if BASE_SNAPSHOT_KEY in s.metadata or GRADE_SNAPSHOT_KEY in s.metadata] == []
+
+
+async def test_a_change_too_large_to_grade_is_the_agents_zero(harness: Harness) -> None:
+    task = harness.tasks["forkyard__calc-lcm"]
+    async with harness.env(task) as env:
+        await _bash(env, "head -c 5M /dev/urandom > /testbed/blob.bin")
+        result = await env.step(Action("submit", {}))
+    assert result.reward == 0.0 and result.info["cause"] == "patch_too_large", result.info
+
+
+async def test_a_change_that_hangs_the_tests_is_the_agents_zero(harness: Harness) -> None:
+    """Tests that run past the limit only with the agent's change are its doing, not a verifier error to drop."""
+    task = _variant(harness.tasks["forkyard__calc-lcm"], verifier_timeout_sec=10)
+    async with harness.env(task) as env:
+        await _bash(env, "printf 'while True:\\n    pass\\n' >> /testbed/calc/__init__.py")
+        result = await env.step(Action("submit", {}))
+    assert result.reward == 0.0 and result.info["outcome"] == "reward", result.info
+    assert result.info["cause"] == "tests_timed_out" and "ran past" in result.info["grading"]["error"]
+
+
+async def test_tests_that_hang_without_any_change_are_a_verifier_error(harness: Harness) -> None:
+    task = _variant(harness.tasks["forkyard__calc-lcm"], verifier_timeout_sec=3, test_cmd="sleep 30")
+    async with harness.env(task) as env:
+        result = await env.step(Action("submit", {}))
+    assert result.reward is None and result.info["outcome"] == "verifier_error", result.info
+    assert "ran past the 3s limit" in result.info["verifier_error"] and "cause" not in result.info
+    assert "[reward: none]" in result.observation
+
+
+async def test_a_sandbox_the_agent_took_down_is_graded_on_what_it_left(harness: Harness, monkeypatch) -> None:
+    """A command that leaves the sandbox unable to run ends the episode with its cause; the files it left are
+    graded host-side all the same (nothing of the broken sandbox has to run)."""
+    task = harness.tasks["forkyard__calc-lcm"]
+    real_exec = harness.backend.exec
+
+    async def exec_(sandbox_id, command, **kwargs):
+        if "crash-me" in command:
+            raise SandboxCrashedError(f"the shell of sandbox {sandbox_id} did not start again")
+        return await real_exec(sandbox_id, command, **kwargs)
+
+    monkeypatch.setattr(harness.backend, "exec", exec_)
+    async with harness.env(task) as env:
+        await _bash(env, oracle_patch_command(task))
+        result = await env.step(Action("bash", {"command": "crash-me"}))
+    assert result.truncated and result.reward == 1.0, result.info
+    assert result.info["cause"] == "sandbox_crashed" and result.info["outcome"] == "reward"
 
 
 async def test_the_agents_own_commits_count_and_a_truncated_episode_is_graded(harness: Harness) -> None:

@@ -17,6 +17,7 @@ from workers.envs.swe.task import (
     encode_instance,
     parse_jsonl,
 )
+from workers.envs.tamper import TamperPolicy
 from workers.errors import TaskFormatError
 
 MINIMAL = {"instance_id": "me__calc-1", "repo": "me/calc", "base_commit": "0123abc",
@@ -50,6 +51,18 @@ def test_encoding_round_trips_with_unknown_fields_kept() -> None:
     assert encode_instance(again) == encode_instance(task)
 
 
+def test_the_tamper_policy_defaults_to_fail_and_keeps_old_hashes() -> None:
+    """An instance that does not set ``tamper`` hashes as it did before the field existed."""
+    (default,) = parse_jsonl(_jsonl(MINIMAL))
+    (failing,) = parse_jsonl(_jsonl({**MINIMAL, "tamper": "fail"}))
+    (reporting,) = parse_jsonl(_jsonl({**MINIMAL, "tamper": "report"}))
+    assert default.tamper is failing.tamper is TamperPolicy.FAIL and reporting.tamper is TamperPolicy.REPORT
+    assert "tamper" not in default.to_json() and default.content_hash == failing.content_hash
+    assert reporting.to_json()["tamper"] == "report" and reporting.content_hash != default.content_hash
+    assert decode_instance(encode_instance(reporting)).tamper is TamperPolicy.REPORT
+    assert not reporting.warnings
+
+
 @pytest.mark.parametrize(("line", "field"), [
     ({k: v for k, v in MINIMAL.items() if k != "repo"}, "repo: is required"),
     ({**MINIMAL, "base_commit": "not-a-commit"}, "base_commit: must be a hex commit id"),
@@ -64,6 +77,8 @@ def test_encoding_round_trips_with_unknown_fields_kept() -> None:
     ({**MINIMAL, "install": [3]}, "install: must be a list of shell commands"),
     ({**MINIMAL, "instance_id": "a b"}, "instance_id: use letters"),
     ({**MINIMAL, "agent_timeout_sec": -1}, "agent_timeout_sec: must be a number"),
+    ({**MINIMAL, "tamper": "ignore"}, "tamper: must be \"fail\" or \"report\", got 'ignore'"),
+    ({**MINIMAL, "tamper": ["report"]}, "tamper: must be \"fail\" or \"report\""),
     ("[1, 2]", "an instance must be a JSON object"),
     ("{oops", "not valid JSON"),
 ])

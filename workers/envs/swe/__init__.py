@@ -5,6 +5,7 @@
 - :mod:`~workers.envs.swe.image`: one environment image per repository version;
 - :mod:`~workers.envs.swe.env`: the environment (``bash``, ``str_replace_editor``, ``submit``);
 - :mod:`~workers.envs.swe.editor`: the editor tool;
+- :mod:`~workers.envs.swe.patch`: the agent's change, taken host-side, and what in it is tamper;
 - :mod:`~workers.envs.swe.grading`: log parsers and the FAIL_TO_PASS / PASS_TO_PASS verdict.
 
 Registered as ``swe`` in :mod:`workers.envs.registry`. Its one option is the repository

@@ -159,28 +159,5 @@ def grade(log: str, *, parser: str, fail_to_pass: Sequence[str], pass_to_pass: S
     return report
 
 
-#: Paths a grader never takes from the agent's change, since they steer how the tests run or
-#: what they report: test dirs and files, conftest.py, the files pytest reads its options
-#: from (an ``addopts = -p plugin`` could rewrite results), and the interpreter's startup hooks.
-_TEST_PATH = re.compile(r"(^|/)(tests?|testing)/|(^|/)test_[^/]*\.py$|_tests?\.py$|(^|/)conftest\.py$"
-                        r"|(^|/)(pytest\.ini|tox\.ini|setup\.cfg|pyproject\.toml)$"
-                        r"|(^|/)(sitecustomize|usercustomize)\.py$|\.pth$")
-
-
-def is_test_path(path: str) -> bool:
-    """Tell whether a changed file steers the tests (tests, conftest.py, pytest options, startup hooks)."""
-    return bool(_TEST_PATH.search(path))
-
-
-def patch_paths(patch: str) -> list[str]:
-    """Return the files a unified diff touches (its ``b/`` side, or ``a/`` for deletions)."""
-    paths: list[str] = []
-    for match in re.finditer(r"^diff --git a/(\S+) b/(\S+)$", patch, re.M):
-        path = match.group(2)
-        if path not in paths:
-            paths.append(path)
-    return paths
-
-
-__all__ = ["END_MARKER", "EXIT_MARKER", "PARSERS", "START_MARKER", "GradeReport", "grade", "is_test_path",
-           "parse_pytest", "parse_unittest", "patch_paths", "read_log"]
+__all__ = ["END_MARKER", "EXIT_MARKER", "PARSERS", "START_MARKER", "GradeReport", "grade", "parse_pytest",
+           "parse_unittest", "read_log"]

@@ -14,6 +14,9 @@ instance::
     workdir         where the repository is checked out (default /testbed)
     install         commands that build the environment image (run in the workdir)
     image           an existing image to start from (default: the Python stand-in)
+    tamper          what a change that steers its own grade (tests, pytest configuration, startup
+                    files: :mod:`~workers.envs.swe.patch`) does: "fail" (default: reward 0 with
+                    ``info.cause = "tamper"``) or "report" (those files are left out of the grade)
 
 A file of instances is all or nothing: every line is checked first and every problem is
 reported as ``line N: field: what`` in one :class:`~workers.errors.TaskFormatError`.
@@ -29,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+from workers.envs.tamper import TamperPolicy
 from workers.errors import TaskFormatError
 
 #: The file a stored instance is kept in (the gateway's task archive is this JSON).
@@ -51,7 +55,8 @@ _REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement")
 _STRINGS = ("patch", "test_patch", "version", "environment_setup_commit", "hints_text", "created_at",
             "test_cmd", "image")
 _KNOWN = frozenset({*_REQUIRED, *_STRINGS, "FAIL_TO_PASS", "PASS_TO_PASS", "patch_kind", "log_parser",
-                    "workdir", "install", "agent_timeout_sec", "verifier_timeout_sec", "cpus", "memory_mb"})
+                    "workdir", "install", "agent_timeout_sec", "verifier_timeout_sec", "cpus", "memory_mb",
+                    "tamper"})
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 _COMMIT_RE = re.compile(r"^[0-9a-f]{7,64}$")
@@ -86,6 +91,8 @@ class SWETask:
     cpus: float = DEFAULT_CPUS
     memory_mb: int = DEFAULT_MEMORY_MB
     disk_mb: int = DEFAULT_DISK_MB
+    tamper: TamperPolicy = TamperPolicy.FAIL
+    """Whether a change to what decides its own grade fails the episode (the default) or is left out and reported."""
     warnings: tuple[str, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Fields of the instance Forkyard does not use, kept as given."""
@@ -132,6 +139,10 @@ class SWETask:
         data["agent_timeout_sec"] = data.pop("agent_timeout_s")
         data["verifier_timeout_sec"] = data.pop("verifier_timeout_s")
         data.pop("disk_mb")
+        # Written only when not the default: an instance that does not set it keeps the hash it had.
+        tamper = data.pop("tamper")
+        if tamper is not TamperPolicy.FAIL:
+            data["tamper"] = tamper.value
         return {**extra, **data}
 
 
@@ -204,6 +215,10 @@ def instance_from_json(data: object, *, where: str = "instance") -> SWETask:
         problems.add("patch_kind", f"must be one of {', '.join(PATCH_KINDS)}, got {kind!r}")
     if kind == "bug" and not values.get("patch"):
         problems.add("patch", "a patch_kind 'bug' instance needs the patch that introduces the bug")
+    tamper = data.get("tamper", TamperPolicy.FAIL.value)
+    if not isinstance(tamper, str) or tamper not in {p.value for p in TamperPolicy}:
+        problems.add("tamper", f"must be \"fail\" or \"report\", got {tamper!r}")
+        tamper = TamperPolicy.FAIL.value
     parser = data.get("log_parser", "pytest")
     if parser not in LOG_PARSERS:
         problems.add("log_parser", f"must be one of {', '.join(LOG_PARSERS)}, got {parser!r}")
@@ -234,7 +249,7 @@ def instance_from_json(data: object, *, where: str = "instance") -> SWETask:
         **values, fail_to_pass=f2p, pass_to_pass=p2p, patch_kind=kind, log_parser=parser,
         workdir=workdir.rstrip("/"), install=tuple(install),
         agent_timeout_s=numbers["agent_timeout_sec"], verifier_timeout_s=numbers["verifier_timeout_sec"],
-        cpus=numbers["cpus"], memory_mb=int(numbers["memory_mb"]),
+        cpus=numbers["cpus"], memory_mb=int(numbers["memory_mb"]), tamper=TamperPolicy(tamper),
         warnings=tuple(f"{where}: field {key!r} is not used by Forkyard (kept)" for key in unused),
         extra={key: data[key] for key in unused},
     )
