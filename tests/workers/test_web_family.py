@@ -177,3 +177,57 @@ def test_tree_truncation_is_visible_and_observation_text_shows_errors():
 def test_driver_source_imports_nothing_of_forkyard():
     source = (ROOT / "workers" / "envs" / "web" / "driver.py").read_text()
     assert "from workers" not in source and "import workers" not in source
+
+
+@pytest.mark.parametrize(("expression", "names"), [
+    ("window.score || 0", ["score"]),
+    ("WOB_RAW_REWARD_GLOBAL > 0 ? 1 : 0", ["WOB_RAW_REWARD_GLOBAL"]),
+    ("sessionStorage.getItem('application') === 'pro' ? 1 : 0", ["sessionStorage"]),
+    ("window['my score'] + self.total + globalThis?.done + cart.items.length", ["my score", "total", "done", "cart"]),
+    ("document.title.window.x + a.window.y", ["document", "a"]),  # a member's `window` is not the window
+    ("[...rows].filter((row, i = first) => row.ok && i).length / count", ["rows", "first", "count"]),
+    ("/a+b/.test(text) ? 1 : 0", ["text"]),
+    ("total / 2 / scale", ["total", "scale"]),
+    ("`${window.label}: ${points}` // a comment: window.no", ["label", "points"]),
+    ("(function f(p) { try { return p + base } catch (err) { return err } })(seed)", ["base", "seed"]),
+    ("typeof window.x === 'undefined' ? 0 : 1e3 + .5 + 0x1F", ["x"]),
+])
+def test_expression_globals_finds_the_globals_an_expression_reads(expression, names):
+    assert driver.expression_globals(expression) == names
+
+
+def test_reward_globals_guard_minwob_s_and_leave_builtins_to_the_verdict_world():
+    guarded = driver.reward_globals(["window.score + sessionStorage.length", "Math.max(done, window.name)"],
+                                    builtins={"sessionStorage", "Math", "name"})
+    assert guarded == (*driver.WOB_GLOBALS, "score", "done")
+    assert driver.reward_globals([]) == driver.WOB_GLOBALS
+
+
+def test_the_verdict_function_binds_each_name_to_its_value():
+    source = driver.verdict_function({"reward": "window.score || 0", "done": "ok"}, ["score", "ok", "my score"])
+    assert source.startswith("function (__forkyard_0, __forkyard_1, __forkyard_2) {")
+    assert '"score": __forkyard_0, "ok": __forkyard_1, "my score": __forkyard_2' in source
+    assert "((window, self, globalThis, score, ok) => {" in source  # a name that is no identifier is window's only
+    assert 'keep("reward", (window.score || 0))' in source and 'keep("done_error"' in source
+
+
+def _sha(text: str) -> str:
+    import base64
+    import hashlib
+
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+def test_a_static_document_s_policy_allows_the_inline_code_it_ships_and_nothing_else():
+    page = ("<!doctype html><meta charset=utf-8><button onclick=\"go('a &amp; b')\">x</button>\r\n"
+            "<a href=' javascript:go(1)'>l</a><a href='/next'>n</a><form action='JavaScript:send()'></form>"
+            "<iframe srcdoc='<script>parent.go(&quot;f&quot;)</script>'></iframe>"
+            "<script src=/app.js></script><script>\r\nlet s = 'café';\r\n</script><script>open()").encode()
+    csp = driver.document_csp(page, "text/html")
+    expected = ["go('a & b')", "javascript:go(1)", "javascript:send()", 'parent.go("f")', "", "\nlet s = 'café';\n",
+                "open()"]
+    assert csp == ("script-src 'self' 'unsafe-hashes' " + " ".join(sorted(_sha(t) for t in expected))
+                   + "; object-src 'none'; base-uri 'none'")
+    assert "base-uri 'self'" in driver.document_csp(b"<base href=/app/><p>x</p>")
+    assert driver.document_charsets(b"<p>x</p>", "text/html; charset=ISO-8859-1") == ["ISO-8859-1"]
+    assert driver.document_charsets(b"<p>x</p>", "text/html") == ["utf-8", "cp1252"]

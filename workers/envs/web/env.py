@@ -18,6 +18,14 @@ with ``reward_js`` or, when the task has one, ``tests/check.py`` run in the sand
 With ``[observation] screenshots``, each step's result carries a PNG of the page in
 ``StepResult.artifacts`` (the gateway stores it and links it), never in the observation.
 
+The final step says whose result it is in ``info["outcome"]``: ``reward`` for a verdict (0
+included), ``verifier_error`` when the verifier gave none (``reward_js`` threw, gave no number
+or read a value it cannot read without running page code; ``tests/check.py`` timed out or
+printed no reward): then ``reward`` is None, never a 0, and ``info["verifier_error"]`` says why.
+How the driver keeps page scripts from the values ``reward_js`` reads, and agent text from
+running as script on a static site, is in :mod:`workers.envs.web.driver`; a ``serve`` app's
+pages get no such policy.
+
 A browser that crashes, is killed or stops answering ends the episode with
 :class:`~sandboxes.errors.SandboxCrashedError` (an infrastructure failure, never scored)
 and its sandbox is destroyed.
@@ -52,6 +60,7 @@ from workers.envs.sandboxed import SUBMIT_TOOL, SandboxedEnv, check_no_arguments
 from workers.envs.web.task import WebTask
 from workers.errors import ActionError, SessionClosedError, TaskSetupError
 from workers.pool import Warmup
+from workers.protocol import EpisodeOutcome
 
 if TYPE_CHECKING:
     from workers.pool import WarmPool
@@ -389,36 +398,44 @@ class WebEnv(SandboxedEnv):
 
     async def _finish(self, observation: str, *, truncated: bool, note: str,
                       values: Mapping[str, Any] | None = None, info: dict[str, Any] | None = None) -> StepResult:
-        """Score the episode (reward_js, or tests/check.py) and end it."""
+        """Score the episode (reward_js, or tests/check.py) and end it.
+
+        A verifier that fails (reward_js throws or gives no number, check.py times out or
+        prints no reward) leaves no reward: ``reward`` None, ``info["outcome"]``
+        ``verifier_error`` with the message in ``info["verifier_error"]``; never a 0.
+        """
         info = dict(info or {})
         reward, error = await self._score(values)
         self._done = True
+        info["outcome"] = (EpisodeOutcome.REWARD if reward is not None else EpisodeOutcome.VERIFIER_ERROR).value
         if error:
             info["verifier_error"] = error
         info["messages"] = list(self.messages)
         lines = [observation, f"[episode ended: {note}]"]
         if error:
             lines.append(f"[verifier error: {error}]")
-        lines.append(f"[reward: {reward:g}]")
-        logger.info("web task %s: episode ended in sandbox %s after %d steps (%s), reward %g",
-                    self.task.name, self.sandbox.id if self.sandbox else "-", self.steps, note, reward)
+        shown = "none" if reward is None else f"{reward:g}"
+        lines.append(f"[reward: {shown}]")
+        logger.info("web task %s: episode ended in sandbox %s after %d steps (%s), reward %s",
+                    self.task.name, self.sandbox.id if self.sandbox else "-", self.steps, note, shown)
         return StepResult(observation="\n".join(lines), reward=reward, terminated=not truncated, truncated=truncated,
                           info=info)
 
-    async def _score(self, values: Mapping[str, Any] | None) -> tuple[float, str | None]:
+    async def _score(self, values: Mapping[str, Any] | None) -> tuple[float | None, str | None]:
+        """Return the reward, or None and why the verifier gave none."""
         if self.task.check_script is not None:
             return await self._run_check()
         if values is None or ("reward" not in values and "reward_error" not in values):
             reply = await self._call({"op": "observe", "checks": self._checks()})
             values = reply.get("values") or {}
         if "reward_error" in values:
-            return 0.0, f"reward_js failed: {values['reward_error']}"
+            return None, f"reward_js failed: {values['reward_error']}"
         reward = _reward(values.get("reward"))
         if reward is None:
-            return 0.0, f"reward_js gave {values.get('reward')!r}, not a number"
+            return None, f"reward_js gave {values.get('reward')!r}, not a number"
         return reward, None
 
-    async def _run_check(self) -> tuple[float, str | None]:
+    async def _run_check(self) -> tuple[float | None, str | None]:
         """Run ``tests/check.py`` in the sandbox (it is copied in only now) and read its last line."""
         sandbox_id = self._sandbox_id()
         assert self.task.check_script is not None
@@ -429,7 +446,7 @@ class WebEnv(SandboxedEnv):
             sandbox_id, f"cd {SITE_ROOT} && FORKYARD_MESSAGES={CHECK_DIR}/messages.json python3 {CHECK_DIR}/check.py",
             timeout_s=_CHECK_TIMEOUT_S, max_output_bytes=64 * 1024)
         if result.timed_out:
-            return 0.0, f"tests/check.py timed out after {_CHECK_TIMEOUT_S:g}s"
+            return None, f"tests/check.py timed out after {_CHECK_TIMEOUT_S:g}s"
         last = (result.stdout.strip().splitlines() or [""])[-1]
         try:
             reward = float(last)
@@ -437,7 +454,7 @@ class WebEnv(SandboxedEnv):
             reward = math.nan
         if result.exit_code != 0 or not math.isfinite(reward):
             detail = (result.stderr.strip() or last)[-300:]
-            return 0.0, f"tests/check.py exited {result.exit_code} without a reward as its last line: {detail}"
+            return None, f"tests/check.py exited {result.exit_code} without a reward as its last line: {detail}"
         return reward, None
 
     # ------------------------------------------------------------------ forks

@@ -37,8 +37,15 @@ A task is a directory::
 A task gives ``reward_js`` or ``tests/check.py`` (or both: the check then decides).
 Pages of an existing suite (say MiniWoB's, started by a JS call and scored from JS
 globals) fit unchanged: ``setup_js`` starts the episode, ``reward_js``/``done_js`` read
-the globals. An element may carry its own ``bid`` attribute (a name such as
-``"submit"``, not a number): the driver keeps it, so an oracle can name elements.
+the globals. They run outside the page's scripts (see :mod:`workers.envs.web.driver`):
+the page globals they read must be plain data the page stores with ``var``, a bare
+assignment or ``window.X =`` (not a function to call, nor a top-level ``let``/``const``),
+named in the expression (``window.score``, ``WOB_DONE_GLOBAL``); the DOM, storage and
+builtins are theirs as before. An expression that throws or gives no number is a
+verifier error, not a 0: guard it where the agent's input may reach it.
+
+An element may carry its own ``bid`` attribute (a name such as ``"submit"``, not a
+number): the driver keeps it, so an oracle can name elements.
 """
 
 from __future__ import annotations
